@@ -1,0 +1,215 @@
+"""One outer round's all-reduce: find a group through the DHT and average the pseudo-gradients.
+
+This wraps hivemind's ``DecentralizedAverager`` (matchmaking + butterfly all-reduce) with two changes,
+both made by subclassing rather than forking:
+
+1. **Exact results.** Stock hivemind reducers send back ``average - your_part`` and every member adds
+   that delta to its own part. In floating point ``mine + (avg - mine) != avg`` in the last bits, and
+   the error differs per member, so replicas drift apart bit by bit. Here reducers send the average
+   itself (and a reducer keeps exactly what it sends, compression round-trip included), so every
+   member of a group ends the round with the very same bytes: DiLoCo replicas stay bit-identical.
+2. **Traffic accounting.** The payload bytes of every all-reduce message sent and received are counted
+   in a small shared-memory tensor that the daemon reads after each round.
+
+A round that cannot find a group or whose all-reduce fails returns ``ok=False`` with the reason; the
+caller then takes a solo outer step. Nothing here raises into the training loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import BannedException
+from hivemind.compression import Float16Compression, NoCompression, deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.dht import DHT
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+
+from .config import AveragingConfig
+
+_SENT, _RECEIVED, _FAILED_VALUES = 0, 1, 2
+CODECS = {"none": NoCompression, "fp16": Float16Compression}
+
+
+class _CountingStub:
+    """Wraps a peer's averaging stub so that the all-reduce messages we exchange with it are counted."""
+
+    def __init__(self, stub, runner: "_ExactAllReduceRunner"):
+        self._stub, self._runner = stub, runner
+
+    async def rpc_aggregate_part(self, inputs):
+        stream = await self._stub.rpc_aggregate_part(self._runner._count(inputs, _SENT))
+        return self._runner._count(stream, _RECEIVED)
+
+
+class _ExactAllReduceRunner(AllReduceRunner):
+    """An AllReduceRunner whose reducers return averages instead of deltas (see the module docstring)."""
+
+    def __init__(self, *, traffic: torch.Tensor, **kwargs):
+        super().__init__(**kwargs)
+        # outputs are averages now: a failed reducer's part must fall back to our own values, not to zeros
+        self.tensor_part_container.return_deltas = False
+        self._traffic = traffic
+        compression = self.tensor_part_container.compression
+        self._wire_type = getattr(compression, "compression_type", runtime_pb2.CompressionType.NONE)
+
+    async def _count(self, messages, slot: int):
+        async for message in messages:
+            self._traffic[slot] += message.ByteSize()
+            yield message
+
+    def _get_peer_stub(self, peer):
+        return _CountingStub(super()._get_peer_stub(peer), self)
+
+    async def rpc_aggregate_part(self, stream, context):
+        async for message in super().rpc_aggregate_part(self._count(stream, _RECEIVED), context):
+            self._traffic[_SENT] += message.ByteSize()
+            yield message
+
+    async def _communicate_with_peer(self, peer_id):
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        # our own shard: we are its reducer; keep exactly the bytes the other members receive
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        for part_index, part in enumerate(self.parts_for_local_averaging):
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=self.weight)
+            if self._wire_type != runtime_pb2.CompressionType.NONE:
+                averaged = deserialize_torch_tensor(serialize_torch_tensor(averaged, self._wire_type))
+            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        # as in hivemind, but the reply is the averaged part itself rather than (average - sender's part)
+        loop = asyncio.get_event_loop()
+        part_index = 0
+        try:
+            async for part, weight, wire_type in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight)
+                    part_index += 1
+                except BannedException:
+                    break
+                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged, wire_type)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class PseudoGradientAverager(DecentralizedAverager):
+    """hivemind's averager with exact (non-delta) results and byte counters; runs in its own process."""
+
+    def __init__(self, averaged_tensors, dht: DHT, **kwargs):
+        self.traffic = torch.zeros(3, dtype=torch.int64).share_memory_()
+        super().__init__(averaged_tensors, dht, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = _ExactAllReduceRunner(
+            traffic=self.traffic,
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        async for tensor, averaged in azip(as_aiter(*tensors), runner):
+            tensor.copy_(averaged)
+        self.traffic[_FAILED_VALUES] += runner.tensor_part_container.failed_size
+        self.last_updated = get_dht_time()
+        self._state_updated.set()
+
+
+@dataclass
+class RoundResult:
+    ok: bool
+    """True if the pseudo-gradient was averaged with at least one other peer."""
+    averaged: list[torch.Tensor] | None = None
+    group_size: int = 1
+    group_epochs: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    values_not_averaged: int = 0
+    """Values whose reducer failed mid-round: they hold our local value (replicas differ there)."""
+    error: str = ""
+
+
+class RoundAverager:
+    """Averages one pseudo-gradient per outer round with whichever peers are in the round.
+
+    :param dht: a running DHT (the averager gets its own process and shares the DHT's p2p daemon)
+    :param shapes: the parameter shapes, in model order
+    :param run_id: averaging happens under the DHT prefix ``{run_id}_outer``
+    :param cfg: the ``[averaging]`` section: timeouts, codec, declared bandwidth
+    """
+
+    def __init__(self, dht: DHT, shapes: list[torch.Size], run_id: str, cfg: AveragingConfig):
+        self.cfg = cfg
+        tensors = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+        self.averager = PseudoGradientAverager(
+            tensors,
+            dht,
+            prefix=f"{run_id}_outer",
+            start=True,
+            min_group_size=2,
+            min_matchmaking_time=cfg.matchmaking_time,
+            request_timeout=cfg.request_timeout,
+            allreduce_timeout=cfg.allreduce_timeout,
+            sender_timeout=cfg.allreduce_timeout / 2,
+            reducer_timeout=cfg.allreduce_timeout * 0.75,
+            next_chunk_timeout=cfg.allreduce_timeout / 4,
+            compression=CODECS[cfg.compression](),
+            bandwidth=cfg.bandwidth or None,
+            shutdown_timeout=5,
+        )
+
+    async def average(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int) -> RoundResult:
+        """All-reduce ``pseudo_gradient`` (weighted by ``weight``, the tokens behind it) with a group."""
+        started = time.perf_counter()
+        before = self.averager.traffic.clone()
+        with self.averager.get_tensors() as tensors:
+            for target, source in zip(tensors, pseudo_gradient):
+                target.copy_(source)
+        control = self.averager.step(
+            weight=float(weight),
+            gather={"epoch": epoch, "tokens": int(weight)},
+            timeout=self.cfg.matchmaking_time * 3,
+            wait=False,
+        )
+        try:
+            gathered = await asyncio.to_thread(control.result)
+        except BaseException as e:  # no group, timeout, a peer died mid-round: never fatal here
+            if isinstance(e, asyncio.CancelledError):
+                control.cancel()
+                raise
+            return self._result(False, started, before, error=f"{type(e).__name__}: {e}".strip(": "))
+        if not gathered or len(gathered) < 2:
+            return self._result(False, started, before, error="no other peer joined the group")
+        with self.averager.get_tensors() as tensors:
+            averaged = [t.clone() for t in tensors]
+        epochs = [int(meta["epoch"]) for meta in gathered.values()]
+        return self._result(True, started, before, averaged=averaged, group_size=len(gathered), group_epochs=epochs)
+
+    def _result(self, ok: bool, started: float, before: torch.Tensor, **kwargs) -> RoundResult:
+        delta = (self.averager.traffic - before).tolist()
+        return RoundResult(
+            ok=ok, seconds=time.perf_counter() - started, bytes_sent=delta[_SENT], bytes_received=delta[_RECEIVED],
+            values_not_averaged=delta[_FAILED_VALUES], **kwargs,
+        )
+
+    def shutdown(self) -> None:
+        self.averager.shutdown()

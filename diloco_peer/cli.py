@@ -1,0 +1,122 @@
+"""``diloco-peer``: the command line. Parse, validate, hand over; errors become one line and an exit code.
+
+    diloco-peer bootstrap --identity ./boot.key --listen /ip4/0.0.0.0/tcp/31337
+    diloco-peer join /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW... [--config tiny-cpu] [--set inner.lr=3e-4 ...]
+    diloco-peer demo --peers 3 --rounds 5 [--config tiny-cpu] [--summary-json out.json]
+
+Exit codes: 0 ok, 1 runtime failure (e.g. no bootstrap reachable), 2 bad input (CLI, config, address).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+EXIT_RUNTIME, EXIT_USAGE = 1, 2
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, metavar="FILE|NAME",
+                        help="TOML config: a file or a shipped name (tiny-cpu, llama-150m, llama-1b); default tiny-cpu")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config value, TOML syntax, e.g. --set inner.lr=3e-4 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diloco-peer", description="Peer-to-peer DiLoCo training on hivemind.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (hivemind included)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    boot = sub.add_parser("bootstrap", help="run a bootstrap node that peers dial first")
+    boot.add_argument("--identity", default="", metavar="KEY_FILE",
+                      help="private key file for a stable peer id, created if missing, e.g. ./boot.key")
+    boot.add_argument("--listen", action="append", default=[], metavar="MULTIADDR",
+                      help="listen address, e.g. /ip4/0.0.0.0/tcp/31337 (repeatable; default any port)")
+    boot.add_argument("--announce", action="append", default=[], metavar="MULTIADDR",
+                      help="address others should dial, e.g. /ip4/203.0.113.7/tcp/31337 (repeatable)")
+    boot.add_argument("--initial-peer", action="append", default=[], metavar="MULTIADDR",
+                      help="another bootstrap node to connect to (repeatable)")
+    boot.add_argument("--run-id", default="diloco-tiny", help="the run whose progress this node shows")
+    boot.add_argument("--report-every", type=float, default=30.0, metavar="SECONDS",
+                      help="seconds between swarm summaries in the log (default 30)")
+
+    join = sub.add_parser("join", help="join a swarm and train")
+    join.add_argument("bootstrap", nargs="+", metavar="BOOTSTRAP_MULTIADDR",
+                      help="address printed by a bootstrap node, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...")
+    _add_config_args(join)
+    join.add_argument("--identity", default=None, metavar="KEY_FILE",
+                      help="private key file for a stable peer id (created if missing); sets swarm.identity_path")
+    join.add_argument("--name", default="", help="name in logs and of the event file (default: from the peer id)")
+
+    demo = sub.add_parser("demo", help="run a local swarm (bootstrap + N peers as subprocesses) and summarise it")
+    _add_config_args(demo)
+    demo.add_argument("--peers", type=int, default=3, help="number of peers (default 3)")
+    demo.add_argument("--rounds", type=int, default=5, help="outer rounds each peer trains (default 5)")
+    demo.add_argument("--out", default="runs/demo", metavar="DIR",
+                      help="directory for logs, the summary and the loss plot (default runs/demo)")
+    demo.add_argument("--summary-json", default=None, metavar="FILE", help="also write the summary JSON here")
+    demo.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
+                      help="give up if the swarm has not finished after this long (default 900)")
+    return parser
+
+
+def _setup_logging(verbose: bool) -> None:
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "DEBUG" if verbose else "WARNING")
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
+
+
+def _run(args: argparse.Namespace) -> int:
+    # heavy imports (torch, hivemind) only once we know which command runs
+    import uvloop
+
+    from .config import load_config
+
+    if args.command == "bootstrap":
+        from .bootstrap_node import run_bootstrap
+
+        return uvloop.run(run_bootstrap(args.listen or ["/ip4/0.0.0.0/tcp/0"], args.announce, args.identity,
+                                        args.initial_peer, args.run_id, args.report_every))
+    overrides = list(args.overrides)
+    if args.command == "join":
+        from .daemon import PeerDaemon
+        from .swarm import parse_multiaddr
+
+        for addr in args.bootstrap:
+            parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
+        if args.identity is not None:
+            overrides.append(f"swarm.identity_path={args.identity!r}")
+        cfg = load_config(args.config, overrides)
+        return uvloop.run(PeerDaemon(cfg, args.bootstrap, args.name).run())
+    if args.command == "demo":
+        from .demo import run_demo
+
+        load_config(args.config, overrides)  # fail fast here rather than in N subprocesses
+        return run_demo(args)
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    from .config import ConfigError
+    from .data import DataError
+    from .swarm import SwarmError
+
+    try:
+        return _run(args)
+    except (ConfigError, DataError) as e:
+        print(f"diloco-peer: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except SwarmError as e:
+        bad_input = str(e).startswith("bad ")
+        print(f"diloco-peer: error: {e}", file=sys.stderr)
+        return EXIT_USAGE if bad_input else EXIT_RUNTIME
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""The peer's configuration: one pydantic tree, validated once, each component handed its own section.
+
+A config comes from a TOML file (``configs/*.toml``) plus ``--set section.key=value`` overrides from the
+command line. Values in ``--set`` use TOML syntax (``inner.lr=3e-4``, ``data.paths=["a.txt"]``,
+``run.run_id="my-run"``; a bare word is taken as a string). Every mistake becomes a :class:`ConfigError`
+with a one-line message that names the bad key or value and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = "tiny-cpu"
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value. The message is one line, fit to print as it is."""
+
+
+class _Section(BaseModel):
+    # strict: "yes" is not a bool and "3" is not an int; extra keys are typos, not options.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class RunConfig(_Section):
+    run_id: str = Field("diloco-tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    """Name of the training run: the DHT namespace. Peers train together iff their run_id is equal."""
+    seed: int = 0
+    """Seed of the initial weights. Every peer of a swarm must use the same seed (the first round
+    averages pseudo-gradients, which only makes sense if everybody started from the same weights)."""
+    max_rounds: int = Field(0, ge=0)
+    """Leave the swarm cleanly after this many outer rounds; 0 trains until stopped."""
+    log_dir: str = "runs"
+    """Directory for the peer's JSONL event log (one file per peer)."""
+    threads: int = Field(0, ge=0)
+    """torch CPU threads for this peer; 0 keeps torch's default."""
+
+
+class ModelConfig(_Section):
+    """A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention)."""
+
+    vocab_size: int = Field(256, ge=2)
+    hidden_size: int = Field(64, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(4, ge=1)
+    ffn_hidden_size: int = Field(172, ge=1)
+    max_seq_len: int = Field(128, ge=8)
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-5, gt=0)
+    tie_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> "ModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError("hidden_size / num_heads must be even (RoPE rotates pairs of channels)")
+        return self
+
+
+class DataConfig(_Section):
+    source: Literal["stdlib", "files", "hf"] = "stdlib"
+    """stdlib: the Python standard library's own source (on every machine, no download);
+    files: local .txt/.jsonl files in ``paths``; hf: a Hugging Face dataset (needs internet)."""
+    paths: list[str] = []
+    """For source="files": text files (each is one document) or JSONL files (``text_field`` of each line)."""
+    text_field: str = "text"
+    hf_dataset: str = ""
+    """For source="hf": ``name`` or ``name:config``, e.g. ``allenai/c4:en``."""
+    hf_split: str = "train"
+    tokenizer: str = "bytes"
+    """``bytes`` (UTF-8 bytes, vocab 256, needs no download) or a Hugging Face tokenizer name."""
+    max_bytes: int = Field(4_000_000, ge=10_000)
+    """Read at most this much text (stdlib/files); keeps start-up fast on small machines."""
+    seq_len: int = Field(128, ge=8)
+    eval_fraction: float = Field(0.02, gt=0, lt=0.5)
+    """Share of the documents held out for the eval loss (the same documents on every peer)."""
+    eval_batches: int = Field(4, ge=1)
+    num_shards: int = Field(64, ge=1)
+    shard: int = Field(-1, ge=-1)
+    """Which training shard this peer reads; -1 derives it from the peer id (stable per identity)."""
+    seed: int = 0
+
+
+class InnerConfig(_Section):
+    """The inner optimizer: AdamW with linear warmup and cosine decay, run for H steps per round."""
+
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2)
+    """AdamW (beta1, beta2)."""
+    warmup_steps: int = Field(20, ge=0)
+    total_steps: int = Field(1000, ge=1)
+    """Length of the cosine schedule in inner steps; after it the LR stays at ``min_lr_ratio * lr``."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(1.0, ge=0)
+    """Clip the gradient norm to this value; 0 disables clipping."""
+    batch_size: int = Field(8, ge=1)
+    """Sequences per micro-batch."""
+    grad_accum: int = Field(1, ge=1)
+    """Micro-batches per inner step (tokens per step = batch_size * grad_accum * seq_len)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 autocast on a GPU that supports it, fp32 otherwise."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
+
+
+class OuterConfig(_Section):
+    """The outer optimizer, applied every H inner steps to the averaged pseudo-gradient (on CPU)."""
+
+    inner_steps: int = Field(50, ge=1)
+    """H: inner steps between two outer rounds."""
+    lr: float = Field(0.7, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+
+    @model_validator(mode="after")
+    def _check_nesterov(self) -> "OuterConfig":
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov=true needs momentum > 0 (set outer.nesterov=false for plain SGD)")
+        return self
+
+
+class AveragingConfig(_Section):
+    """How a round finds its group and all-reduces (hivemind's DecentralizedAverager)."""
+
+    compression: Literal["none", "fp16"] = "none"
+    min_peers: int = Field(2, ge=1)
+    """The first outer round waits until this many peers are ready, so that fast peers do not
+    drift apart with solo steps while the swarm is still starting."""
+    first_round_timeout: float = Field(300.0, gt=0)
+    """Seconds the first round waits for ``min_peers``; then it goes on with whoever is ready."""
+    ready_timeout: float = Field(30.0, ge=0)
+    """Wait budget per round: seconds to wait for peers still training in this epoch before the round
+    starts with those that are ready (a straggler must not hold the swarm hostage)."""
+    matchmaking_time: float = Field(3.0, gt=0)
+    """Seconds a group leader gathers followers (hivemind ``min_matchmaking_time``)."""
+    request_timeout: float = Field(2.0, gt=0)
+    allreduce_timeout: float = Field(60.0, gt=0)
+    """Seconds after which an all-reduce is abandoned and the round falls back to a solo step."""
+    heartbeat: float = Field(5.0, gt=0)
+    """Seconds between progress records published to the DHT (records expire after 3 heartbeats)."""
+    bandwidth: float = Field(0.0, ge=0)
+    """Declared bandwidth in MB/s: the share of the all-reduce this peer reduces; 0 = equal shares."""
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> "AveragingConfig":
+        if self.request_timeout >= self.matchmaking_time:
+            raise ValueError(
+                f"request_timeout={self.request_timeout} must be smaller than matchmaking_time="
+                f"{self.matchmaking_time} (hivemind matchmaking can deadlock otherwise)"
+            )
+        return self
+
+
+class SwarmConfig(_Section):
+    host_maddrs: list[str] = ["/ip4/0.0.0.0/tcp/0"]
+    """Where this peer listens (multiaddrs)."""
+    announce_maddrs: list[str] = []
+    """Addresses others should dial (e.g. your public IP behind port forwarding); empty = detected."""
+    identity_path: str = ""
+    """libp2p private key file: a stable peer id across restarts; created if missing; empty = new id."""
+    startup_timeout: float = Field(30.0, gt=0)
+
+
+class PeerConfig(_Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    inner: InnerConfig = InnerConfig()
+    outer: OuterConfig = OuterConfig()
+    averaging: AveragingConfig = AveragingConfig()
+    swarm: SwarmConfig = SwarmConfig()
+
+    @model_validator(mode="after")
+    def _check_cross(self) -> "PeerConfig":
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
+            )
+        if self.data.tokenizer == "bytes" and self.model.vocab_size < 256:
+            raise ValueError(f"tokenizer 'bytes' needs model.vocab_size >= 256, got {self.model.vocab_size}")
+        if self.data.source == "files" and not self.data.paths:
+            raise ValueError('data.source="files" needs data.paths, e.g. --set data.paths=["corpus.txt"]')
+        if self.data.source == "hf" and not self.data.hf_dataset:
+            raise ValueError('data.source="hf" needs data.hf_dataset, e.g. --set data.hf_dataset="allenai/c4:en"')
+        return self
+
+    def fingerprint(self) -> str:
+        """Hash of everything that must be equal across a swarm (model shape, seed, run id)."""
+        shared = {"run_id": self.run.run_id, "seed": self.run.seed, "model": self.model.model_dump()}
+        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """``tiny-cpu`` -> ``configs/tiny-cpu.toml``; any existing path is taken as it is."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = CONFIG_DIR / f"{name_or_path.removesuffix('.toml')}.toml"
+    if shipped.is_file():
+        return shipped
+    known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml")))
+    raise ConfigError(f"config '{name_or_path}' not found: give a TOML file path or one of: {known}")
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``inner.lr=3e-4`` -> (["inner", "lr"], 0.0003). Values use TOML syntax; a bare word is a string."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"bad --set '{item}': expected section.key=value, e.g. --set inner.lr=3e-4")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word such as cpu or my-run
+    return key.split("."), value
+
+
+def _apply_override(tree: dict, path: list[str], value: Any) -> None:
+    node, model = tree, PeerConfig
+    for depth, part in enumerate(path):
+        fields = model.model_fields
+        if part not in fields:
+            where = ".".join(path[:depth]) or "top level"
+            raise ConfigError(
+                f"unknown config key '{'.'.join(path)}': '{part}' is not in [{where}] (valid: {', '.join(fields)})"
+            )
+        annotation = fields[part].annotation
+        is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        if depth == len(path) - 1:
+            if is_section:
+                raise ConfigError(f"'{'.'.join(path)}' is a section: set one of its keys, e.g. {part}.<key>=value")
+            node[part] = value
+            return
+        if not is_section:
+            raise ConfigError(f"'{'.'.join(path[:depth + 1])}' is a value, not a section: drop the rest of the key")
+        node = node.setdefault(part, {})
+        model = annotation
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        section = ".".join(str(p) for p in first["loc"][:-1])
+        model = PeerConfig
+        for part in first["loc"][:-1]:
+            model = model.model_fields[str(part)].annotation
+        valid = ", ".join(model.model_fields)
+        return f"unknown config key '{loc}' in {source}: not in [{section or 'top level'}] (valid: {valid})"
+    if "input" in first and first["type"] not in ("value_error", "missing"):
+        return f"bad value for '{loc}' in {source}: {first['input']!r}: {msg}"
+    return f"bad config in {source}{' at ' + loc if loc else ''}: {msg.removeprefix('Value error, ')}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> PeerConfig:
+    """Read a TOML config (a path or a shipped name; default tiny-cpu), apply ``--set`` overrides, validate."""
+    config_path = resolve_config_path(str(path) if path else DEFAULT_CONFIG)
+    try:
+        tree = tomllib.loads(config_path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{config_path} is not valid TOML: {e}") from None
+    for item in overrides:
+        _apply_override(tree, *parse_override(item))
+    source = f"{config_path}" + (" + --set" if overrides else "")
+    try:
+        return PeerConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, source)) from None

@@ -1,0 +1,170 @@
+"""The peer daemon: join the swarm, then train -> average -> outer step, round after round.
+
+    diloco-peer join /ip4/127.0.0.1/tcp/31337/p2p/<peer-id> --config tiny-cpu
+
+One outer round, as DiLoCo (Douillard et al. 2023) and OpenDiLoCo run it:
+1. H inner AdamW steps on this peer's shard (in a worker thread; the event loop stays free for
+   heartbeats and signals);
+2. pseudo-gradient = outer weights - replica weights;
+3. publish "ready", wait until the peers of this epoch are ready (bounded wait), then matchmake a group
+   and all-reduce the pseudo-gradients weighted by the tokens behind them;
+4. outer Nesterov SGD on the CPU copy with the average (or, if no group formed, with our own
+   pseudo-gradient: a *solo* step, logged and counted), load the result into the replica, evaluate.
+
+SIGTERM/SIGINT: finish the current inner step, withdraw from the swarm, exit 0; a second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from .averaging_round import RoundAverager, RoundResult
+from .config import PeerConfig
+from .data import Corpus, shard_for_peer
+from .events import EventLog
+from .model import build_model, num_parameters, param_sha256
+from .outer_optimizer import OuterOptimizer
+from .progress import SwarmProgress
+from .swarm import start_dht, visible_addresses
+from .trainer import Trainer
+
+logger = logging.getLogger("diloco_peer")
+
+PROGRESS_EVENTS_PER_ROUND = 5
+
+
+class PeerDaemon:
+    """One swarm member. Build it with the whole config; each component gets only its own section.
+
+    :param cfg: the validated config tree
+    :param initial_peers: bootstrap multiaddrs (one reachable is enough); empty starts a new swarm
+    :param name: a human name for logs and the event file (default: the tail of the peer id)
+    """
+
+    def __init__(self, cfg: PeerConfig, initial_peers: list[str], name: str = ""):
+        self.cfg, self.initial_peers, self.name = cfg, list(initial_peers), name
+        self.stopping = False
+
+    def _request_stop(self, signame: str) -> None:
+        if self.stopping:
+            logger.warning(f"second {signame}: exiting now")
+            os._exit(130)
+        logger.info(f"{signame}: leaving after the current inner step (press Ctrl+C again to exit at once)")
+        self.stopping = True
+
+    async def run(self) -> int:
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._request_stop, sig.name)
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+
+        dht = await asyncio.to_thread(start_dht, cfg.swarm, self.initial_peers)
+        averager = progress = None
+        try:
+            peer_id = dht.peer_id.to_base58()
+            self.name = self.name or f"peer-{peer_id[-8:]}"
+            events = EventLog(Path(cfg.run.log_dir) / f"{self.name}.jsonl")
+            shard = cfg.data.shard if cfg.data.shard >= 0 else shard_for_peer(peer_id, cfg.data.num_shards)
+            corpus = await asyncio.to_thread(Corpus, cfg.data, shard, cfg.model.vocab_size)
+            model = build_model(cfg.model, cfg.run.seed)
+            trainer = Trainer(model, corpus, cfg.inner)
+            outer = OuterOptimizer(trainer.model, cfg.outer)
+            averager = RoundAverager(dht, [p.shape for p in outer.params], cfg.run.run_id, cfg.averaging)
+            progress = SwarmProgress(dht, cfg.run.run_id, peer_id, cfg.averaging.heartbeat)
+            await progress.publish()
+            progress.start_heartbeat()
+
+            eval_loss = await asyncio.to_thread(trainer.evaluate)
+            events.write(
+                "start", peer=self.name, peer_id=peer_id, addresses=visible_addresses(dht), shard=shard,
+                parameters=num_parameters(model), device=str(trainer.device), fingerprint=cfg.fingerprint(),
+                eval_loss=eval_loss, param_sha256=param_sha256(outer.params), pid=os.getpid(),
+            )
+            logger.info(
+                f"{self.name} ({peer_id}) joined run '{cfg.run.run_id}': {num_parameters(model) / 1e6:.2f}M params on "
+                f"{trainer.device}, shard {shard}/{cfg.data.num_shards}, H={cfg.outer.inner_steps}, "
+                f"initial eval loss {eval_loss:.4f}"
+            )
+            await self._train(trainer, outer, averager, progress, events)
+            events.write("stop", peer=self.name, reason="signal" if self.stopping else "max_rounds",
+                         epoch=outer.epoch, inner_step=trainer.step)
+            events.close()
+            return 0
+        finally:
+            if progress is not None:
+                await progress.withdraw()
+            if averager is not None:
+                await asyncio.to_thread(averager.shutdown)
+            await asyncio.to_thread(dht.shutdown)
+
+    async def _train(self, trainer: Trainer, outer: OuterOptimizer, averager: RoundAverager,
+                     progress: SwarmProgress, events: EventLog) -> None:
+        cfg = self.cfg
+        H = cfg.outer.inner_steps
+        chunk = max(1, H // PROGRESS_EVENTS_PER_ROUND)
+        while not self.stopping:
+            round_started = time.perf_counter()
+            epoch, tokens, compute, losses = outer.epoch, 0, 0.0, []
+            while trainer.step - epoch * H < H and not self.stopping:
+                todo = min(chunk, H - (trainer.step - epoch * H))
+                stats = await asyncio.to_thread(trainer.train_steps, todo, lambda: self.stopping)
+                tokens, compute = tokens + stats.tokens, compute + stats.seconds
+                losses.append((stats.loss, stats.steps))
+                progress.record = progress.record.copy(update={"inner_step": trainer.step})
+                events.write("progress", peer=self.name, epoch=epoch, inner_step=trainer.step, loss=stats.loss,
+                             lr=stats.lr, tokens=stats.tokens, tokens_per_second=stats.tokens / max(stats.seconds, 1e-9))
+            if self.stopping:
+                return  # an unfinished round is abandoned: its pseudo-gradient would be partial
+
+            pseudo_gradient = outer.pseudo_gradient()
+            await progress.publish(epoch=epoch, inner_step=trainer.step, ready=True,
+                                   tokens=progress.record.tokens + tokens)
+            first_round = epoch == 0
+            decision = await progress.wait_until_ready(
+                min_peers=cfg.averaging.min_peers if first_round else 1,
+                min_peers_timeout=cfg.averaging.first_round_timeout,
+                ready_timeout=cfg.averaging.ready_timeout,
+            )
+            if decision.ready > 1:
+                result = await averager.average(pseudo_gradient, weight=tokens, epoch=epoch)
+                outcome = "averaged" if result.ok else "failed"
+            else:
+                result, outcome = RoundResult(ok=False, error=decision.reason), "solo"
+            if not result.ok and outcome == "failed":
+                logger.warning(f"round {epoch + 1}: averaging failed ({result.error}); taking a solo outer step")
+            if result.values_not_averaged:
+                logger.warning(f"round {epoch + 1}: {result.values_not_averaged} values were not averaged "
+                               f"(a reducer failed): replicas differ until the next state sync")
+            outer.step(result.averaged if result.ok else pseudo_gradient)
+            await progress.publish(epoch=outer.epoch, ready=False)
+
+            eval_loss = await asyncio.to_thread(trainer.evaluate)
+            train_loss = sum(l * n for l, n in losses) / max(sum(n for _, n in losses), 1)
+            record = dict(
+                peer=self.name, round=outer.epoch, epoch=epoch, outcome=outcome, group_size=result.group_size,
+                group_epochs=result.group_epochs, ready_peers=decision.ready, alive_peers=decision.alive,
+                wait_seconds=decision.waited, allreduce_seconds=result.seconds, bytes_sent=result.bytes_sent,
+                bytes_received=result.bytes_received, values_not_averaged=result.values_not_averaged,
+                error=result.error, tokens=tokens, compute_seconds=compute,
+                round_seconds=time.perf_counter() - round_started, train_loss=train_loss, eval_loss=eval_loss,
+                inner_lr=trainer.current_lr(), outer_lr=cfg.outer.lr, inner_step=trainer.step,
+                param_sha256=param_sha256(outer.params),
+            )
+            events.write("round", **record)
+            logger.info(
+                f"round {outer.epoch}: {outcome} with group of {result.group_size} "
+                f"({result.seconds:.2f}s, {(result.bytes_sent + result.bytes_received) / 1e6:.2f} MB) | "
+                f"train loss {train_loss:.4f} | eval loss {eval_loss:.4f} | {tokens / max(compute, 1e-9):,.0f} tok/s"
+            )
+            if cfg.run.max_rounds and outer.epoch >= cfg.run.max_rounds:
+                logger.info(f"{self.name}: reached run.max_rounds={cfg.run.max_rounds}, leaving the swarm")
+                return

@@ -1,0 +1,37 @@
+"""The peer's event log: one JSON object per line, appended as things happen.
+
+It is the peer's record of what it did (``start``, ``progress`` during inner steps, ``round`` after each
+outer round, ``stop``) and the interface the demo, the tests and ``plot`` read. Every line is flushed
+at once, so a reader tailing the file sees a round the moment it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Iterator
+
+
+class EventLog:
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", encoding="utf-8")
+
+    def write(self, event: str, **fields) -> None:
+        self._file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_events(path: Path) -> Iterator[dict]:
+    """All complete events of a log (a half-written last line, if any, is skipped)."""
+    if not path.exists():
+        return
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.endswith("\n"):
+                yield json.loads(line)

@@ -1,0 +1,66 @@
+"""The outer optimizer: the "global" weights of DiLoCo, kept on the CPU, and Nesterov SGD over rounds.
+
+At the start of a round the replica equals the outer weights. After H inner steps the
+*pseudo-gradient* is ``outer - replica`` (a step direction, like a gradient). The swarm averages it,
+then every peer applies the same SGD step to its outer weights and copies them into its replica:
+
+    buf   <- momentum * buf + g            (buf = g on the first step)
+    step  <- g + momentum * buf            (Nesterov)   or   buf   (classic momentum)
+    outer <- outer - lr * step
+
+This is torch.optim.SGD(nesterov=True) semantics, which is what DiLoCo and OpenDiLoCo use. Peers that
+start from identical outer weights and receive bit-identical averages stay bit-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import OuterConfig
+
+
+class OuterOptimizer:
+    """Outer weights (fp32, CPU) of a replica and the SGD optimizer that moves them.
+
+    :param model: the replica; its parameters define the order and shapes of everything here
+    :param cfg: the ``[outer]`` section (lr, momentum, nesterov)
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: OuterConfig):
+        self.model = model
+        self.params = [
+            torch.nn.Parameter(p.detach().to("cpu", torch.float32, copy=True), requires_grad=False)
+            for p in model.parameters()
+        ]
+        self.optimizer = torch.optim.SGD(
+            self.params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov
+        )
+        self.epoch = 0
+        """Outer rounds applied so far."""
+
+    @property
+    def num_values(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    @torch.no_grad()
+    def pseudo_gradient(self) -> list[torch.Tensor]:
+        """``outer - replica`` for every parameter, as new fp32 CPU tensors."""
+        return [outer - p.detach().to("cpu", torch.float32) for outer, p in zip(self.params, self.model.parameters())]
+
+    @torch.no_grad()
+    def step(self, averaged_pseudo_gradient: list[torch.Tensor]) -> None:
+        """Apply one outer step with the (averaged) pseudo-gradient and load the result into the replica."""
+        for outer, grad in zip(self.params, averaged_pseudo_gradient):
+            outer.grad = grad.to(torch.float32)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.epoch += 1
+        self.load_into_model()
+
+    @torch.no_grad()
+    def load_into_model(self) -> None:
+        for outer, p in zip(self.params, self.model.parameters()):
+            p.copy_(outer.to(p.device, p.dtype), non_blocking=True)
+
+    def momentum_buffers(self) -> list[torch.Tensor | None]:
+        return [self.optimizer.state.get(p, {}).get("momentum_buffer") for p in self.params]

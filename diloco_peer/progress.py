@@ -1,0 +1,151 @@
+"""Swarm progress: signed DHT records that tell every peer who is training which outer epoch.
+
+Each peer publishes a small record under ``{run_id}_progress``, in a subkey that carries its RSA public
+key and a signature (hivemind's ``RSASignatureValidator``): nobody can write or delete another peer's
+record. A ``SchemaValidator`` rejects records of the wrong shape. Records are republished every
+``heartbeat`` seconds and expire after three heartbeats, so a peer that vanishes drops out on its own;
+a peer that leaves cleanly withdraws its record at once.
+
+The daemon uses the records to start a round only when the peers of its epoch are ready: the first
+round waits for ``min_peers`` (so the swarm does not split into solo learners while it starts), later
+rounds wait at most ``ready_timeout`` for stragglers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from hivemind.dht import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.utils import get_dht_time
+from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, conint
+
+logger = logging.getLogger(__name__)
+
+
+class ProgressRecord(BaseModel):  # pydantic v1: hivemind's SchemaValidator speaks v1
+    peer_id: StrictStr
+    epoch: conint(ge=0, strict=True)
+    inner_step: conint(ge=0, strict=True)
+    tokens: conint(ge=0, strict=True)
+    ready: StrictBool
+    """True once the peer finished the inner steps of ``epoch`` and waits for the round."""
+    time: StrictFloat
+
+
+class ProgressSchema(BaseModel):
+    progress: Dict[BytesWithPublicKey, Optional[ProgressRecord]]
+
+
+def add_progress_validators(dht: DHT, run_id: str) -> bytes:
+    """Install the signature and schema validators for ``run_id``; returns our public key (the subkey)."""
+    signer = RSASignatureValidator()
+    dht.add_validators([SchemaValidator(ProgressSchema, prefix=run_id), signer])
+    return signer.local_public_key
+
+
+async def fetch_progress(dht: DHT, run_id: str) -> list[ProgressRecord]:
+    """The live progress records of the run, one per peer (withdrawn and expired ones left out)."""
+    found = await asyncio.to_thread(dht.get, f"{run_id}_progress", latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    records = []
+    for entry in found.value.values():
+        if entry.value is None:
+            continue
+        try:
+            records.append(ProgressRecord.parse_obj(entry.value))
+        except ValueError:  # validated on store; re-checked because the DHT is shared with strangers
+            continue
+    return records
+
+
+@dataclass
+class ReadyDecision:
+    ready: int
+    """Peers (us included) ready for this epoch's round."""
+    alive: int
+    """Peers with a live record, at any epoch."""
+    waited: float
+    reason: str
+
+
+class SwarmProgress:
+    """Publishes this peer's progress and decides when a round may start.
+
+    :param dht: the running DHT
+    :param run_id: the run's name; records live under ``{run_id}_progress``
+    :param peer_id: our peer id (base58), stored in the record for humans and the monitor
+    :param heartbeat: seconds between republications; records expire after ``3 * heartbeat``
+    """
+
+    POLL_SECONDS = 0.5
+
+    def __init__(self, dht: DHT, run_id: str, peer_id: str, heartbeat: float):
+        self.dht, self.run_id, self.heartbeat = dht, run_id, heartbeat
+        self.key = f"{run_id}_progress"
+        self.subkey = add_progress_validators(dht, run_id)
+        self.record = ProgressRecord(peer_id=peer_id, epoch=0, inner_step=0, tokens=0, ready=False, time=time.time())
+        self._heartbeat_task: asyncio.Task | None = None
+
+    async def publish(self, **changes) -> None:
+        """Update fields of our record (epoch, inner_step, tokens, ready) and store it now."""
+        self.record = self.record.copy(update={**changes, "time": time.time()})
+        await self._store(self.record.dict())
+
+    async def _store(self, value) -> None:
+        ok = await asyncio.to_thread(
+            self.dht.store, self.key, value, get_dht_time() + 3 * self.heartbeat, subkey=self.subkey
+        )
+        if not ok:
+            logger.debug("progress record was not stored by any DHT node (alone in the swarm?)")
+
+    def start_heartbeat(self) -> None:
+        async def _beat():
+            while True:
+                await asyncio.sleep(self.heartbeat)
+                try:
+                    await self.publish()
+                except Exception as e:  # a flaky DHT must not kill the daemon; the next beat retries
+                    logger.warning(f"could not publish progress: {e}")
+
+        self._heartbeat_task = asyncio.create_task(_beat())
+
+    async def withdraw(self) -> None:
+        """Stop the heartbeat and replace our record with a tombstone so nobody waits for us."""
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        await self._store(None)
+
+    async def wait_until_ready(self, min_peers: int, min_peers_timeout: float, ready_timeout: float) -> ReadyDecision:
+        """Wait until the round of our epoch may start; we must have published ``ready=True`` already.
+
+        The round starts when (a) at least ``min_peers`` peers are alive and (b) every live peer at our
+        epoch is ready. It starts anyway after ``ready_timeout`` seconds of (a), leaving stragglers behind,
+        or after ``min_peers_timeout`` seconds without (a), with whoever is there.
+        """
+        started = time.monotonic()
+        quorum_since = None
+        while True:
+            records = await fetch_progress(self.dht, self.run_id)
+            records = [r for r in records if r.peer_id != self.record.peer_id] + [self.record]
+            same_epoch = [r for r in records if r.epoch == self.record.epoch]
+            ready = sum(r.ready for r in same_epoch)
+            now = time.monotonic()
+            waited = now - started
+            if len(records) >= min_peers:
+                quorum_since = quorum_since if quorum_since is not None else now
+                if ready == len(same_epoch):
+                    return ReadyDecision(ready, len(records), waited, "all peers of this epoch are ready")
+                if now - quorum_since >= ready_timeout:
+                    return ReadyDecision(ready, len(records), waited, f"stragglers left behind after {ready_timeout:g}s")
+            elif waited >= min_peers_timeout:
+                return ReadyDecision(
+                    ready, len(records), waited, f"only {len(records)} of min_peers={min_peers} after {waited:.0f}s"
+                )
+            await asyncio.sleep(self.POLL_SECONDS)

@@ -1,0 +1,97 @@
+"""Joining the swarm: multiaddr validation, the DHT node (hivemind + its libp2p daemon), addresses.
+
+Bootstrap nodes and peers both run a hivemind DHT; the DHT lives in its own process with its own event
+loop and p2pd child process. A peer dials one or more bootstrap multiaddrs; one reachable bootstrap is
+enough. ``identity_path`` gives a stable peer id across restarts (the key file is created if missing).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+
+from hivemind.dht import DHT
+from multiaddr import Multiaddr
+
+from .config import SwarmConfig
+
+logger = logging.getLogger(__name__)
+
+EXAMPLE_ADDR = "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."
+
+
+class SwarmError(RuntimeError):
+    """Cannot join or start the swarm; the message says why and what to do."""
+
+
+def parse_multiaddr(text: str, *, need_peer_id: bool, what: str = "address") -> Multiaddr:
+    """Validate a multiaddr; bootstrap addresses must end in /p2p/<peer-id> so that we know whom we dial."""
+    try:
+        addr = Multiaddr(text)
+    except Exception as e:  # multiaddr raises several exception types for bad input
+        reason = str(e).split(" (string:")[0]
+        raise SwarmError(f"bad {what} '{text}': {reason}; expected e.g. {EXAMPLE_ADDR}") from None
+    names = [p.name for p in addr.protocols()]
+    if not any(n in names for n in ("tcp", "udp")):
+        raise SwarmError(f"bad {what} '{text}': no /tcp/ or /udp/ port; expected e.g. {EXAMPLE_ADDR}")
+    if need_peer_id and "p2p" not in names:
+        raise SwarmError(
+            f"bad {what} '{text}': missing /p2p/<peer-id>; copy the whole line the bootstrap node prints, "
+            f"e.g. {EXAMPLE_ADDR}"
+        )
+    return addr
+
+
+def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool = False) -> DHT:
+    """Start this node's DHT; with ``initial_peers``, fail with a clear message if none is reachable."""
+    for addr in initial_peers:
+        parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
+    for addr in [*cfg.host_maddrs, *cfg.announce_maddrs]:
+        parse_multiaddr(addr, need_peer_id=False, what="listen/announce address")
+    try:
+        return DHT(
+            start=True,
+            initial_peers=list(initial_peers),
+            host_maddrs=list(cfg.host_maddrs),
+            announce_maddrs=list(cfg.announce_maddrs) or None,
+            identity_path=cfg.identity_path or None,
+            client_mode=client_mode,
+            startup_timeout=cfg.startup_timeout,
+            # the DHT process is stopped by our shutdown, not by a parent-death heuristic
+            await_ready=True,
+        )
+    except Exception as e:
+        message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        if initial_peers and "bootstrap" in message:
+            raise SwarmError(
+                f"could not reach any bootstrap peer of {', '.join(initial_peers)}: check the address "
+                f"(copy it from the bootstrap's output), that the node is running and that its port is open"
+            ) from None
+        if "already taken" in message:
+            raise SwarmError(
+                f"identity {cfg.identity_path} is already used by another running peer: give each "
+                f"process its own --identity file"
+            ) from None
+        raise SwarmError(f"could not start the DHT node: {message}") from None
+
+
+def visible_addresses(dht: DHT) -> list[str]:
+    return [str(a) for a in dht.get_visible_maddrs()]
+
+
+def join_address(dht: DHT) -> str:
+    """The address to hand to others: a non-loopback one if there is any, IPv4 and TCP preferred."""
+
+    def rank(addr: str) -> tuple:
+        parts = addr.split("/")
+        host = parts[2] if len(parts) > 2 else ""
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        return (loopback, parts[1] != "ip4", "/tcp/" not in addr)
+
+    addresses = visible_addresses(dht)
+    if not addresses:
+        raise SwarmError("the DHT node reports no listen address: check --listen")
+    return sorted(addresses, key=rank)[0]
