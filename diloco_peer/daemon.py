@@ -51,6 +51,9 @@ class PeerDaemon:
     def __init__(self, cfg: PeerConfig, initial_peers: list[str], name: str = ""):
         self.cfg, self.initial_peers, self.name = cfg, list(initial_peers), name
         self.stopping = False
+        self.trainer: Trainer | None = None
+        """The replica and its inner optimizer; kept after ``run`` returns, for inspection (tests)."""
+        self.outer: OuterOptimizer | None = None
 
     def _request_stop(self, signame: str) -> None:
         if self.stopping:
@@ -76,8 +79,8 @@ class PeerDaemon:
             shard = cfg.data.shard if cfg.data.shard >= 0 else shard_for_peer(peer_id, cfg.data.num_shards)
             corpus = await asyncio.to_thread(Corpus, cfg.data, shard, cfg.model.vocab_size)
             model = build_model(cfg.model, cfg.run.seed)
-            trainer = Trainer(model, corpus, cfg.inner)
-            outer = OuterOptimizer(trainer.model, cfg.outer)
+            trainer = self.trainer = Trainer(model, corpus, cfg.inner)
+            outer = self.outer = OuterOptimizer(trainer.model, cfg.outer)
             averager = RoundAverager(dht, [p.shape for p in outer.params], cfg.run.run_id, cfg.averaging)
             progress = SwarmProgress(dht, cfg.run.run_id, peer_id, cfg.averaging.heartbeat)
             await progress.publish()

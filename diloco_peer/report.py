@@ -1,0 +1,111 @@
+"""Reading peers' event logs back: the demo's summary (JSON + table) and the loss-curve plot."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from .events import read_events
+
+ROUND_FIELDS = ("round", "group_size", "outcome", "allreduce_seconds", "bytes_sent", "bytes_received")
+
+
+def summarize(logs: dict[str, Path], wall_seconds: float, exit_codes: dict[str, int | None]) -> dict:
+    """The demo's summary (the output contract of ``--summary-json``) from the peers' event logs."""
+    starts, rounds, last_hash = {}, [], {}
+    for name, path in logs.items():
+        for event in read_events(path):
+            if event["event"] == "start":
+                starts[name] = event
+            elif event["event"] == "round":
+                rounds.append({"peer": name, **{k: event[k] for k in ROUND_FIELDS},
+                               **{k: event[k] for k in ("eval_loss", "train_loss", "tokens", "compute_seconds",
+                                                        "values_not_averaged", "error", "param_sha256")}})
+                last_hash[name] = (event["round"], event["param_sha256"])
+    per_peer = Counter(r["peer"] for r in rounds)
+    final_round = max((r["round"] for r in rounds), default=0)
+    final_evals = [r["eval_loss"] for r in rounds if r["round"] == final_round]
+    hashes = {name: h for name, (_, h) in last_hash.items()}
+    same_round = len({rnd for rnd, _ in last_hash.values()}) == 1
+    return {
+        "peers": [
+            {"name": name, "peer_id": starts.get(name, {}).get("peer_id"), "shard": starts.get(name, {}).get("shard"),
+             "exit_code": exit_codes.get(name), "rounds": per_peer.get(name, 0)}
+            for name in logs
+        ],
+        "rounds_completed": min((per_peer.get(name, 0) for name in logs), default=0),
+        "rounds": rounds,
+        "outcomes": dict(Counter(r["outcome"] for r in rounds)),
+        "eval_loss_first": next(iter(starts.values()))["eval_loss"] if starts else None,
+        "eval_loss_last": sum(final_evals) / len(final_evals) if final_evals else None,
+        "tokens_total": sum(r["tokens"] for r in rounds),
+        "wall_seconds": wall_seconds,
+        "compute_seconds": sum(r["compute_seconds"] for r in rounds),
+        "param_sha256": hashes,
+        "replicas_identical": bool(hashes) and same_round and len(set(hashes.values())) == 1
+        and len(hashes) == len(logs),
+    }
+
+
+def format_table(summary: dict) -> str:
+    """One line per outer round: how many peers averaged, group sizes, eval loss, time, traffic, identity."""
+    by_round: dict[int, list[dict]] = {}
+    for r in summary["rounds"]:
+        by_round.setdefault(r["round"], []).append(r)
+    lines = [f"{'round':>5} {'averaged':>9} {'groups':>8} {'eval loss':>9} {'all-reduce s':>12} "
+             f"{'MB/peer':>8} {'identical':>9}"]
+    for rnd in sorted(by_round):
+        rows = by_round[rnd]
+        averaged = sum(r["outcome"] == "averaged" for r in rows)
+        groups = "/".join(str(g) for g in sorted({r["group_size"] for r in rows}))
+        eval_loss = sum(r["eval_loss"] for r in rows) / len(rows)
+        seconds = max(r["allreduce_seconds"] for r in rows)
+        mb = sum(r["bytes_sent"] + r["bytes_received"] for r in rows) / len(rows) / 1e6
+        identical = "yes" if len({r["param_sha256"] for r in rows}) == 1 else "NO"
+        lines.append(f"{rnd:>5} {averaged:>5}/{len(rows):<3} {groups:>8} {eval_loss:>9.4f} {seconds:>12.2f} "
+                     f"{mb:>8.2f} {identical:>9}")
+    s = summary
+    first, last = s["eval_loss_first"], s["eval_loss_last"]
+    lines.append(
+        f"{len(s['peers'])} peers, {s['rounds_completed']} rounds, outcomes {s['outcomes']}, "
+        f"eval loss {first:.4f} -> {last:.4f}, {s['tokens_total']:,} tokens, "
+        f"{s['wall_seconds']:.0f}s wall ({s['compute_seconds']:.0f}s compute summed over peers), "
+        f"replicas identical: {s['replicas_identical']}" if first is not None and last is not None
+        else f"{len(s['peers'])} peers, no completed round"
+    )
+    return "\n".join(lines)
+
+
+def plot_losses(logs: dict[str, Path], png: Path) -> Path:
+    """Train loss vs tokens (per peer) and eval loss vs outer round, side by side, into one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, path in logs.items():
+        tokens, train_x, train_y, eval_x, eval_y = 0, [], [], [], []
+        for event in read_events(path):
+            if event["event"] == "start":
+                eval_x.append(0)
+                eval_y.append(event["eval_loss"])
+            elif event["event"] == "progress":
+                tokens += event["tokens"]
+                train_x.append(tokens)
+                train_y.append(event["loss"])
+            elif event["event"] == "round":
+                eval_x.append(event["round"])
+                eval_y.append(event["eval_loss"])
+        ax_train.plot(train_x, train_y, label=name, linewidth=1)
+        ax_eval.plot(eval_x, eval_y, marker="o", label=name, linewidth=1)
+    ax_train.set(xlabel="tokens processed by the peer", ylabel="train loss", title="inner steps")
+    ax_eval.set(xlabel="outer round", ylabel="eval loss (held-out)", title="after each outer step")
+    for ax in (ax_train, ax_eval):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
