@@ -4,9 +4,10 @@ The default corpus is the Python standard library's own source (``data.source = 
 that exists on every machine that can run this program, read with a byte-level tokenizer that needs no
 download. Local ``.txt``/``.jsonl`` files and Hugging Face datasets/tokenizers work the same way.
 
-Splitting is deterministic and identical on every peer:
-- a document is held out for eval iff a hash of its name falls under ``eval_fraction``;
-- training documents are dealt round-robin into ``num_shards`` shards; each peer reads one shard
+Splitting is deterministic and identical on every peer. Documents are cut into blocks of
+``BLOCK_CHARS`` characters (so that a corpus of a few large files still splits evenly), then:
+- a block is held out for eval iff a hash of its name falls under ``eval_fraction``;
+- training blocks are dealt round-robin into ``num_shards`` shards; each peer reads one shard
   (``data.shard``, or a hash of its peer id), sampling windows with an RNG seeded by (seed, shard).
 """
 
@@ -22,6 +23,9 @@ from typing import Callable, Iterator
 import torch
 
 from .config import DataConfig
+
+
+BLOCK_CHARS = 8192
 
 
 class DataError(ValueError):
@@ -139,15 +143,17 @@ class Corpus:
         tokenize = build_tokenizer(cfg.tokenizer)
 
         # bytearray for the byte tokenizer: 10x faster than a list of ints for megabytes of text
-        train_docs = 0
+        train_blocks = 0
         eval_tokens, shard_tokens = (bytearray(), bytearray()) if cfg.tokenizer == "bytes" else ([], [])
         for doc in documents:
-            if _is_eval(doc.name, cfg.eval_fraction):
-                eval_tokens.extend(tokenize(doc.text))
-            else:
-                if train_docs % cfg.num_shards == shard:
-                    shard_tokens.extend(tokenize(doc.text))
-                train_docs += 1
+            for start in range(0, len(doc.text), BLOCK_CHARS):
+                text = doc.text[start:start + BLOCK_CHARS]
+                if _is_eval(f"{doc.name}#{start}", cfg.eval_fraction):
+                    eval_tokens.extend(tokenize(text))
+                else:
+                    if train_blocks % cfg.num_shards == shard:
+                        shard_tokens.extend(tokenize(text))
+                    train_blocks += 1
         window = cfg.seq_len + 1
         for what, tokens in (("training shard", shard_tokens), ("eval split", eval_tokens)):
             if len(tokens) < window * 2:

@@ -1,0 +1,107 @@
+"""Shared fixtures: real ``diloco-peer`` subprocesses on loopback, reaped whatever happens."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+# tests are small; several peers share two cores
+FAST = [
+    "outer.inner_steps=10", "run.threads=1", "averaging.heartbeat=1.0", "averaging.matchmaking_time=2.0",
+    "averaging.request_timeout=1.0", "data.max_bytes=1_000_000",
+]
+
+
+def diloco_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "diloco_peer", *args]
+
+
+def p2pd_pids() -> set[int]:
+    """Running libp2p daemons (hivemind's p2pd), to check that nothing is left behind."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"p2pd" in (entry / "cmdline").read_bytes().split(b"\0")[0]:
+                    pids.add(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def wait_for_line(path: Path, prefix: str, proc: subprocess.Popen, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.startswith(prefix):
+                    return line
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.returncode} before printing {prefix!r}:\n"
+                                 f"{path.read_text() if path.exists() else ''}")
+        time.sleep(0.2)
+    raise AssertionError(f"no line starting with {prefix!r} in {path} after {timeout}s")
+
+
+class LocalSwarm:
+    """Starts a bootstrap node and peers as real subprocesses, each in its own process group."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen] = []
+        self.address = ""
+
+    def spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+        with (self.workdir / log_name).open("w") as log:
+            proc = subprocess.Popen(diloco_cmd(*args), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    cwd=self.workdir)
+        self.procs.append(proc)
+        return proc
+
+    def start_bootstrap(self, *extra: str) -> str:
+        proc = self.spawn(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--report-every", "2", *extra],
+                          "bootstrap.log")
+        self.address = wait_for_line(self.workdir / "bootstrap.log", "diloco-peer join ", proc).split()[2]
+        return self.address
+
+    def start_peer(self, name: str, *sets: str) -> subprocess.Popen:
+        cmd = ["join", self.address, "--name", name]
+        for item in [*FAST, f"run.log_dir={str(self.workdir)!r}", *sets]:
+            cmd += ["--set", item]
+        return self.spawn(cmd, f"{name}.log")
+
+    def events(self, name: str) -> list[dict]:
+        from diloco_peer.events import read_events
+
+        return list(read_events(self.workdir / f"{name}.jsonl"))
+
+    def reap(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            try:  # the whole group: p2pd and averager children included
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+@pytest.fixture
+def local_swarm(tmp_path):
+    swarm = LocalSwarm(tmp_path)
+    try:
+        yield swarm
+    finally:
+        swarm.reap()

@@ -1,0 +1,99 @@
+"""Whole swarms of real processes on loopback: DiLoCo rounds, bit-identical replicas, the start-up gate."""
+
+import asyncio
+import json
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import FAST, diloco_cmd, p2pd_pids
+from diloco_peer.config import load_config
+from diloco_peer.daemon import PeerDaemon
+from diloco_peer.data import Corpus
+from diloco_peer.model import build_model
+from diloco_peer.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_three_peers_average_every_round_bit_identical(tmp_path):
+    before = p2pd_pids()
+    out, summary_path = tmp_path / "demo", tmp_path / "summary.json"
+    cmd = diloco_cmd("demo", "--peers", "3", "--rounds", "3", "--out", str(out), "--summary-json", str(summary_path))
+    for item in FAST:
+        cmd += ["--set", item]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(summary_path.read_text())
+
+    assert summary["rounds_completed"] == 3 and len(summary["peers"]) == 3
+    assert all(p["exit_code"] == 0 for p in summary["peers"])
+    assert len(summary["rounds"]) == 9
+    for record in summary["rounds"]:
+        assert record["outcome"] == "averaged" and record["group_size"] == 3, record
+        assert record["bytes_sent"] > 0 and record["bytes_received"] > 0 and record["allreduce_seconds"] > 0
+        assert record["values_not_averaged"] == 0
+    for rnd in (1, 2, 3):
+        hashes = {r["param_sha256"] for r in summary["rounds"] if r["round"] == rnd}
+        assert len(hashes) == 1, f"replicas differ after round {rnd}"
+    assert summary["replicas_identical"] is True and len(set(summary["param_sha256"].values())) == 1
+    # 30 inner steps of a byte-level model: from ln(256) ~ 5.5 to well under 4
+    assert summary["eval_loss_last"] < summary["eval_loss_first"] - 1.0
+    assert summary["tokens_total"] == 3 * 3 * 10 * 8 * 128
+    assert 0 < summary["compute_seconds"] and 0 < summary["wall_seconds"] < 400
+    assert (out / "loss.png").stat().st_size > 10_000
+    assert "replicas identical: True" in result.stdout
+
+    # every process the demo started is gone, libp2p daemons included
+    pids = [json.loads(line)["pid"] for p in range(3) for line in (out / f"peer-{p}.jsonl").read_text().splitlines()
+            if json.loads(line)["event"] == "start"]
+    assert len(pids) == 3
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}"), f"peer process {pid} is still running"
+    assert p2pd_pids() <= before
+
+
+def test_first_round_waits_for_min_peers(local_swarm):
+    """A fast early peer must not take a solo step while the second peer is still starting (OpenDiLoCo does)."""
+    local_swarm.start_bootstrap()
+    sets = ["averaging.min_peers=2", "run.max_rounds=2", "outer.inner_steps=5", "data.num_shards=2"]
+    early = local_swarm.start_peer("early", *sets, "data.shard=0")
+    deadline = time.monotonic() + 120
+    while not any(e["event"] == "progress" and e["inner_step"] == 5 for e in local_swarm.events("early")):
+        assert time.monotonic() < deadline and early.poll() is None, "the early peer never finished its inner steps"
+        time.sleep(0.2)
+    time.sleep(4)  # the early peer now waits at the gate, alone
+    assert not any(e["event"] == "round" for e in local_swarm.events("early"))
+    late = local_swarm.start_peer("late", *sets, "data.shard=1")
+    assert early.wait(timeout=180) == 0 and late.wait(timeout=60) == 0
+
+    rounds = {name: [e for e in local_swarm.events(name) if e["event"] == "round"] for name in ("early", "late")}
+    assert [r["round"] for r in rounds["early"]] == [1, 2] == [r["round"] for r in rounds["late"]]
+    for name, records in rounds.items():
+        assert all(r["outcome"] == "averaged" and r["group_size"] == 2 for r in records), (name, records)
+    assert rounds["early"][0]["wait_seconds"] > 4
+    for a, b in zip(rounds["early"], rounds["late"]):
+        assert a["param_sha256"] == b["param_sha256"]
+
+
+def test_single_peer_with_unit_outer_lr_equals_plain_adamw(tmp_path):
+    """H=1, outer lr 1, no momentum: the outer step copies the replica, so DiLoCo reduces to AdamW."""
+    steps = 6
+    cfg = load_config(None, [
+        *FAST, "outer.inner_steps=1", "outer.lr=1.0", "outer.momentum=0.0", "outer.nesterov=false",
+        "averaging.min_peers=1", f"run.max_rounds={steps}", "data.shard=0", f"run.log_dir={str(tmp_path)!r}",
+        "swarm.host_maddrs=[\"/ip4/127.0.0.1/tcp/0\"]",
+    ])
+    daemon = PeerDaemon(cfg, initial_peers=[], name="solo")
+    assert asyncio.run(daemon.run()) == 0
+    assert daemon.outer.epoch == steps and daemon.trainer.step == steps
+
+    reference = Trainer(build_model(cfg.model, cfg.run.seed), Corpus(cfg.data, 0, cfg.model.vocab_size), cfg.inner)
+    reference.train_steps(steps)
+    for got, want in zip(daemon.trainer.model.parameters(), reference.model.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    rounds = [json.loads(line) for line in (tmp_path / "solo.jsonl").read_text().splitlines()]
+    assert [r["outcome"] for r in rounds if r["event"] == "round"] == ["solo"] * steps
