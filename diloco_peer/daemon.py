@@ -38,6 +38,7 @@ from .trainer import Trainer
 logger = logging.getLogger("diloco_peer")
 
 PROGRESS_EVENTS_PER_ROUND = 5
+PROGRESS_LOG_SECONDS = 30.0  # a human-readable progress line at most this often between round lines
 
 
 class PeerDaemon:
@@ -114,6 +115,7 @@ class PeerDaemon:
         cfg = self.cfg
         H = cfg.outer.inner_steps
         chunk = max(1, H // PROGRESS_EVENTS_PER_ROUND)
+        last_log = time.monotonic()
         while not self.stopping:
             round_started = time.perf_counter()
             epoch, tokens, compute, losses = outer.epoch, 0, 0.0, []
@@ -123,8 +125,13 @@ class PeerDaemon:
                 tokens, compute = tokens + stats.tokens, compute + stats.seconds
                 losses.append((stats.loss, stats.steps))
                 progress.record = progress.record.copy(update={"inner_step": trainer.step})
+                tokens_per_second = stats.tokens / max(stats.seconds, 1e-9)
                 events.write("progress", peer=self.name, epoch=epoch, inner_step=trainer.step, loss=stats.loss,
-                             lr=stats.lr, tokens=stats.tokens, tokens_per_second=stats.tokens / max(stats.seconds, 1e-9))
+                             lr=stats.lr, tokens=stats.tokens, tokens_per_second=tokens_per_second)
+                if time.monotonic() - last_log >= PROGRESS_LOG_SECONDS:
+                    last_log = time.monotonic()
+                    logger.info(f"round {epoch + 1}: inner step {trainer.step - epoch * H}/{H} | "
+                                f"train loss {stats.loss:.4f} | lr {stats.lr:.2e} | {tokens_per_second:,.0f} tok/s")
             if self.stopping:
                 return  # an unfinished round is abandoned: its pseudo-gradient would be partial
 
@@ -144,6 +151,8 @@ class PeerDaemon:
                 result, outcome = RoundResult(ok=False, error=decision.reason), "solo"
             if not result.ok and outcome == "failed":
                 logger.warning(f"round {epoch + 1}: averaging failed ({result.error}); taking a solo outer step")
+            if len(set(result.group_epochs)) > 1:
+                logger.warning(f"round {epoch + 1}: the group mixed epochs {sorted(result.group_epochs)}")
             if result.values_not_averaged:
                 logger.warning(f"round {epoch + 1}: {result.values_not_averaged} values were not averaged "
                                f"(a reducer failed): replicas differ until the next state sync")
@@ -163,6 +172,7 @@ class PeerDaemon:
                 param_sha256=param_sha256(outer.params),
             )
             events.write("round", **record)
+            last_log = time.monotonic()
             logger.info(
                 f"round {outer.epoch}: {outcome} with group of {result.group_size} "
                 f"({result.seconds:.2f}s, {(result.bytes_sent + result.bytes_received) / 1e6:.2f} MB) | "

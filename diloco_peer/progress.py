@@ -23,6 +23,7 @@ from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, conint
 
 logger = logging.getLogger(__name__)
@@ -43,8 +44,12 @@ class ProgressSchema(BaseModel):
 
 
 def add_progress_validators(dht: DHT, run_id: str) -> bytes:
-    """Install the signature and schema validators for ``run_id``; returns our public key (the subkey)."""
-    signer = RSASignatureValidator()
+    """Install the signature and schema validators for ``run_id``; returns our public key (the subkey).
+
+    Each caller gets a key of its own (not hivemind's process-wide one), so that two peers that share a
+    process, as in tests, still own separate records.
+    """
+    signer = RSASignatureValidator(RSAPrivateKey())
     dht.add_validators([SchemaValidator(ProgressSchema, prefix=run_id), signer])
     return signer.local_public_key
 

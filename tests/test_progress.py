@@ -1,0 +1,88 @@
+"""Signed progress records on a real loopback DHT, and the round gate that reads them."""
+
+import asyncio
+import time
+
+import pytest
+from hivemind.dht import DHT
+from hivemind.utils import get_dht_time
+
+from diloco_peer.progress import SwarmProgress, fetch_progress
+
+RUN = "gate-test"
+
+
+@pytest.fixture
+def two_dhts():
+    first = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                 initial_peers=[str(a) for a in first.get_visible_maddrs()])
+    yield first, second
+    second.shutdown()
+    first.shutdown()
+
+
+def test_records_are_seen_by_others_and_withdrawn(two_dhts):
+    dht_a, dht_b = two_dhts
+
+    async def scenario():
+        a = SwarmProgress(dht_a, RUN, "peer-a", heartbeat=5)
+        SwarmProgress(dht_b, RUN, "peer-b", heartbeat=5)  # installs the validators on b
+        await a.publish(epoch=3, inner_step=150, tokens=1000, ready=True)
+        seen = await fetch_progress(dht_b, RUN)
+        await a.withdraw()
+        return seen, await fetch_progress(dht_b, RUN)
+
+    seen, after = asyncio.run(scenario())
+    assert [(r.peer_id, r.epoch, r.inner_step, r.tokens, r.ready) for r in seen] == [("peer-a", 3, 150, 1000, True)]
+    assert after == []
+
+
+def test_unsigned_and_malformed_records_are_rejected(two_dhts):
+    dht_a, dht_b = two_dhts
+
+    async def scenario():
+        SwarmProgress(dht_a, RUN, "peer-a", heartbeat=5)
+        b = SwarmProgress(dht_b, RUN, "peer-b", heartbeat=5)
+        good = dict(peer_id="forger", epoch=99, inner_step=0, tokens=0, ready=True, time=time.time())
+        expiration = get_dht_time() + 30
+        unsigned = await asyncio.to_thread(dht_a.store, f"{RUN}_progress", good, expiration, subkey=b"no-key-here")
+        malformed = await asyncio.to_thread(dht_b.store, f"{RUN}_progress", {**good, "epoch": "ninety-nine"},
+                                            expiration, subkey=b.subkey)
+        return unsigned, malformed, await fetch_progress(dht_a, RUN)
+
+    unsigned, malformed, seen = asyncio.run(scenario())
+    assert not unsigned and not malformed
+    assert seen == []
+
+
+def test_gate_waits_for_stragglers_then_for_nobody(two_dhts):
+    dht_a, dht_b = two_dhts
+
+    async def scenario():
+        a = SwarmProgress(dht_a, RUN, "peer-a", heartbeat=5)
+        b = SwarmProgress(dht_b, RUN, "peer-b", heartbeat=5)
+        await b.publish(epoch=0, ready=False)
+        await a.publish(epoch=0, ready=True)
+        straggler = await a.wait_until_ready(min_peers=2, min_peers_timeout=30, ready_timeout=1.5)
+        await b.publish(ready=True)
+        everyone = await a.wait_until_ready(min_peers=2, min_peers_timeout=30, ready_timeout=30)
+        return straggler, everyone
+
+    straggler, everyone = asyncio.run(scenario())
+    assert straggler.ready == 1 and straggler.alive == 2 and straggler.waited >= 1.5
+    assert "stragglers" in straggler.reason
+    assert everyone.ready == 2 and everyone.waited < 5 and "all peers" in everyone.reason
+
+
+def test_gate_gives_up_on_min_peers_after_timeout(two_dhts):
+    dht_a, _ = two_dhts
+
+    async def scenario():
+        a = SwarmProgress(dht_a, RUN, "peer-a", heartbeat=5)
+        await a.publish(ready=True)
+        return await a.wait_until_ready(min_peers=3, min_peers_timeout=1.0, ready_timeout=30)
+
+    decision = asyncio.run(scenario())
+    assert decision.ready == 1 and decision.alive == 1 and 1.0 <= decision.waited < 5
+    assert "min_peers=3" in decision.reason
