@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(VENV)/bin/diloco-peer demo --peers $(PEERS) --rounds $(ROUNDS) --out runs/demo --summary-json runs/demo/summary.json
+	$(VENV)/bin/diloco-peer demo --peers $(PEERS) --rounds $(ROUNDS) --out runs/demo
 
 test: install
 	$(PY) -m pytest -q --durations=10

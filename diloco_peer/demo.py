@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -151,12 +150,10 @@ def run_demo(args) -> int:
 
     summary = summarize(logs, time.monotonic() - started, {n: p.returncode for n, p in procs.items()})
     summary["config"] = args.config or "tiny-cpu"
-    summary_path = out / "summary.json"
+    summary_path = Path(args.summary_json) if args.summary_json else out / "summary.json"
+    summary_path.parent.mkdir(parents=True, exist_ok=True)
     summary_path.write_text(json.dumps(summary, indent=2))
-    if args.summary_json:
-        Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(summary_path, args.summary_json)
     png = plot_losses(logs, out / "loss.png")
     print(format_table(summary))
-    print(f"demo: summary in {args.summary_json or summary_path}, loss curves in {png}")
+    print(f"demo: summary in {summary_path}, loss curves in {png}")
     return 0 if summary["rounds_completed"] == args.rounds else 1
