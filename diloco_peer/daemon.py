@@ -143,7 +143,10 @@ class PeerDaemon:
                 min_peers=cfg.averaging.min_peers if first_round else 1,
                 min_peers_timeout=cfg.averaging.first_round_timeout,
                 ready_timeout=cfg.averaging.ready_timeout,
+                should_stop=lambda: self.stopping,
             )
+            if self.stopping:
+                return
             if decision.ready > 1:
                 result = await averager.average(pseudo_gradient, weight=tokens, epoch=epoch)
                 outcome = "averaged" if result.ok else "failed"

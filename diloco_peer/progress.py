@@ -127,16 +127,20 @@ class SwarmProgress:
             self._heartbeat_task.cancel()
         await self._store(None)
 
-    async def wait_until_ready(self, min_peers: int, min_peers_timeout: float, ready_timeout: float) -> ReadyDecision:
+    async def wait_until_ready(self, min_peers: int, min_peers_timeout: float, ready_timeout: float,
+                               should_stop=lambda: False) -> ReadyDecision:
         """Wait until the round of our epoch may start; we must have published ``ready=True`` already.
 
         The round starts when (a) at least ``min_peers`` peers are alive and (b) every live peer at our
         epoch is ready. It starts anyway after ``ready_timeout`` seconds of (a), leaving stragglers behind,
-        or after ``min_peers_timeout`` seconds without (a), with whoever is there.
+        or after ``min_peers_timeout`` seconds without (a), with whoever is there. Returns early (with
+        reason "stopping") as soon as ``should_stop()`` is true, so that a leaving peer never waits here.
         """
         started = time.monotonic()
         quorum_since = None
         while True:
+            if should_stop():
+                return ReadyDecision(1, 1, time.monotonic() - started, "stopping")
             records = await fetch_progress(self.dht, self.run_id)
             records = [r for r in records if r.peer_id != self.record.peer_id] + [self.record]
             same_epoch = [r for r in records if r.epoch == self.record.epoch]

@@ -97,3 +97,24 @@ def test_single_peer_with_unit_outer_lr_equals_plain_adamw(tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     rounds = [json.loads(line) for line in (tmp_path / "solo.jsonl").read_text().splitlines()]
     assert [r["outcome"] for r in rounds if r["event"] == "round"] == ["solo"] * steps
+
+
+def test_sigterm_at_the_gate_leaves_cleanly(local_swarm):
+    """A peer waiting for partners that never come leaves promptly on SIGTERM: exit 0, nothing left behind."""
+    before = p2pd_pids()
+    local_swarm.start_bootstrap()
+    peer = local_swarm.start_peer("waiting", "averaging.min_peers=3", "outer.inner_steps=3", "data.shard=0")
+    deadline = time.monotonic() + 120
+    while not any(e["event"] == "progress" and e["inner_step"] == 3 for e in local_swarm.events("waiting")):
+        assert time.monotonic() < deadline and peer.poll() is None, "the peer never finished its inner steps"
+        time.sleep(0.2)
+    time.sleep(1)
+    sent = time.monotonic()
+    peer.terminate()
+    assert peer.wait(timeout=30) == 0
+    assert time.monotonic() - sent < 15
+    stop = [e for e in local_swarm.events("waiting") if e["event"] == "stop"]
+    assert stop and stop[0]["reason"] == "signal" and stop[0]["epoch"] == 0
+    bootstrap_group = {local_swarm.procs[0].pid}
+    leftovers = {pid for pid in p2pd_pids() - before if os.getpgid(pid) not in bootstrap_group}
+    assert not leftovers, f"p2pd processes left behind by the peer: {leftovers}"
