@@ -40,7 +40,7 @@ CODECS = {"none": NoCompression, "fp16": Float16Compression}
 class _CountingStub:
     """Wraps a peer's averaging stub so that the all-reduce messages we exchange with it are counted."""
 
-    def __init__(self, stub, runner: "_ExactAllReduceRunner"):
+    def __init__(self, stub, runner: _ExactAllReduceRunner):
         self._stub, self._runner = stub, runner
 
     async def rpc_aggregate_part(self, inputs):

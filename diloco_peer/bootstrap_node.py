@@ -44,7 +44,7 @@ async def run_bootstrap(
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=report_every)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 records = await fetch_progress(dht, run_id)
                 if records:
                     epochs = collections.Counter(r.epoch for r in records)

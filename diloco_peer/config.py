@@ -58,7 +58,7 @@ class ModelConfig(_Section):
     tie_embeddings: bool = True
 
     @model_validator(mode="after")
-    def _check_heads(self) -> "ModelConfig":
+    def _check_heads(self) -> ModelConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
         if self.num_heads % self.num_kv_heads:
@@ -84,7 +84,7 @@ class DataConfig(_Section):
     """Read at most this much text (stdlib/files); keeps start-up fast on small machines."""
     seq_len: int = Field(128, ge=8)
     eval_fraction: float = Field(0.02, gt=0, lt=0.5)
-    """Share of the documents held out for the eval loss (the same documents on every peer)."""
+    """Share of the text held out for the eval loss: every (1/eval_fraction)-th 2 KB block, the same on every peer."""
     eval_batches: int = Field(4, ge=1)
     num_shards: int = Field(64, ge=1)
     shard: int = Field(-1, ge=-1)
@@ -124,7 +124,7 @@ class OuterConfig(_Section):
     nesterov: bool = True
 
     @model_validator(mode="after")
-    def _check_nesterov(self) -> "OuterConfig":
+    def _check_nesterov(self) -> OuterConfig:
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov=true needs momentum > 0 (set outer.nesterov=false for plain SGD)")
         return self
@@ -153,7 +153,7 @@ class AveragingConfig(_Section):
     """Declared bandwidth in MB/s: the share of the all-reduce this peer reduces; 0 = equal shares."""
 
     @model_validator(mode="after")
-    def _check_timeouts(self) -> "AveragingConfig":
+    def _check_timeouts(self) -> AveragingConfig:
         if self.request_timeout >= self.matchmaking_time:
             raise ValueError(
                 f"request_timeout={self.request_timeout} must be smaller than matchmaking_time="
@@ -182,7 +182,7 @@ class PeerConfig(_Section):
     swarm: SwarmConfig = SwarmConfig()
 
     @model_validator(mode="after")
-    def _check_cross(self) -> "PeerConfig":
+    def _check_cross(self) -> PeerConfig:
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"

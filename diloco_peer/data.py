@@ -6,7 +6,7 @@ download. Local ``.txt``/``.jsonl`` files and Hugging Face datasets/tokenizers w
 
 Splitting is deterministic and identical on every peer. Documents are cut into blocks of
 ``BLOCK_CHARS`` characters (so that a corpus of a few large files still splits evenly), then:
-- a block is held out for eval iff a hash of its name falls under ``eval_fraction``;
+- every k-th block, k = 1 / ``eval_fraction``, is held out for eval (evenly spread over the corpus);
 - training blocks are dealt round-robin into ``num_shards`` shards; each peer reads one shard
   (``data.shard``, or a hash of its peer id), sampling windows with an RNG seeded by (seed, shard).
 """
@@ -16,16 +16,15 @@ from __future__ import annotations
 import hashlib
 import json
 import sysconfig
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
 from .config import DataConfig
 
-
-BLOCK_CHARS = 8192
+BLOCK_CHARS = 2048
 
 
 class DataError(ValueError):
@@ -118,11 +117,6 @@ def _as_tensor(tokens: bytearray | list[int]) -> torch.Tensor:
     return torch.tensor(tokens, dtype=torch.long)
 
 
-def _is_eval(name: str, eval_fraction: float) -> bool:
-    bucket = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") / 2**32
-    return bucket < eval_fraction
-
-
 def shard_for_peer(peer_id: str, num_shards: int) -> int:
     return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % num_shards
 
@@ -143,12 +137,14 @@ class Corpus:
         tokenize = build_tokenizer(cfg.tokenizer)
 
         # bytearray for the byte tokenizer: 10x faster than a list of ints for megabytes of text
-        train_blocks = 0
+        eval_every = max(2, round(1 / cfg.eval_fraction))
+        blocks = train_blocks = 0
         eval_tokens, shard_tokens = (bytearray(), bytearray()) if cfg.tokenizer == "bytes" else ([], [])
         for doc in documents:
             for start in range(0, len(doc.text), BLOCK_CHARS):
                 text = doc.text[start:start + BLOCK_CHARS]
-                if _is_eval(f"{doc.name}#{start}", cfg.eval_fraction):
+                blocks += 1
+                if blocks % eval_every == eval_every // 2:
                     eval_tokens.extend(tokenize(text))
                 else:
                     if train_blocks % cfg.num_shards == shard:

@@ -17,7 +17,6 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional
 
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
@@ -40,7 +39,7 @@ class ProgressRecord(BaseModel):  # pydantic v1: hivemind's SchemaValidator spea
 
 
 class ProgressSchema(BaseModel):
-    progress: Dict[BytesWithPublicKey, Optional[ProgressRecord]]
+    progress: dict[BytesWithPublicKey, ProgressRecord | None]
 
 
 def add_progress_validators(dht: DHT, run_id: str) -> bytes:

@@ -94,4 +94,4 @@ def join_address(dht: DHT) -> str:
     addresses = visible_addresses(dht)
     if not addresses:
         raise SwarmError("the DHT node reports no listen address: check --listen")
-    return sorted(addresses, key=rank)[0]
+    return min(addresses, key=rank)

@@ -5,7 +5,6 @@ import re
 import subprocess
 
 import pytest
-
 from conftest import diloco_cmd, p2pd_pids, wait_for_line
 
 PEER_ID = "12D3KooWHQEFuYFG1pGNfSsfDsM5nCiACFRgDLDg5faqtUaKTuzT"

@@ -8,8 +8,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import FAST, diloco_cmd, p2pd_pids
+
 from diloco_peer.config import load_config
 from diloco_peer.daemon import PeerDaemon
 from diloco_peer.data import Corpus
