@@ -18,13 +18,14 @@ caller then takes a solo outer step. Nothing here raises into the training loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import BannedException
+from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import Float16Compression, NoCompression, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.dht import DHT
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -35,6 +36,15 @@ from .config import AveragingConfig
 
 _SENT, _RECEIVED, _FAILED_VALUES = 0, 1, 2
 CODECS = {"none": NoCompression, "fp16": Float16Compression}
+
+
+class _ExpectedFailuresInOneLine(logging.Filter):
+    """hivemind logs a full traceback when a round finds no group; the daemon reports that itself, in one
+    line, with what it does about it. Tracebacks stay visible at debug level (``diloco-peer -v``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        expected = record.exc_info and isinstance(record.exc_info[1], AllreduceException)
+        return not expected or logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 
 
 class _CountingStub:
@@ -160,6 +170,10 @@ class RoundAverager:
     def __init__(self, dht: DHT, shapes: list[torch.Size], run_id: str, cfg: AveragingConfig):
         self.cfg = cfg
         tensors = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+        # installed before the averager process forks, so that it applies there
+        averager_logger = logging.getLogger("hivemind.averaging.averager")
+        if not any(isinstance(f, _ExpectedFailuresInOneLine) for f in averager_logger.filters):
+            averager_logger.addFilter(_ExpectedFailuresInOneLine())
         self.averager = PseudoGradientAverager(
             tensors,
             dht,

@@ -14,6 +14,8 @@ import logging
 import os
 import sys
 
+from . import __version__
+
 EXIT_RUNTIME, EXIT_USAGE = 1, 2
 
 
@@ -27,6 +29,7 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diloco-peer", description="Peer-to-peer DiLoCo training on hivemind.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (hivemind included)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     boot = sub.add_parser("bootstrap", help="run a bootstrap node that peers dial first")

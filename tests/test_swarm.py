@@ -8,12 +8,14 @@ import time
 
 import pytest
 import torch
+from hivemind.dht import DHT
 from conftest import FAST, diloco_cmd, p2pd_pids
 
 from diloco_peer.config import load_config
 from diloco_peer.daemon import PeerDaemon
 from diloco_peer.data import Corpus
 from diloco_peer.model import build_model
+from diloco_peer.progress import SwarmProgress
 from diloco_peer.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -118,3 +120,23 @@ def test_sigterm_at_the_gate_leaves_cleanly(local_swarm):
     bootstrap_group = {local_swarm.procs[0].pid}
     leftovers = {pid for pid in p2pd_pids() - before if os.getpgid(pid) not in bootstrap_group}
     assert not leftovers, f"p2pd processes left behind by the peer: {leftovers}"
+
+
+def test_failed_round_falls_back_to_a_solo_step(local_swarm):
+    """A partner that says it is ready but never shows up at matchmaking: the round fails, the peer takes
+    a solo step, says why, and trains on."""
+    local_swarm.start_bootstrap()
+    ghost_dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[local_swarm.address])
+    try:
+        ghost = SwarmProgress(ghost_dht, "diloco-tiny", "ghost", heartbeat=60)  # its record outlives the test
+        asyncio.run(ghost.publish(epoch=0, ready=True))
+        peer = local_swarm.start_peer("real", "averaging.min_peers=2", "run.max_rounds=2", "outer.inner_steps=3",
+                                      "data.shard=0")
+        assert peer.wait(timeout=180) == 0, (local_swarm.workdir / "real.log").read_text()
+    finally:
+        ghost_dht.shutdown()
+    rounds = [e for e in local_swarm.events("real") if e["event"] == "round"]
+    assert [r["outcome"] for r in rounds] == ["failed", "solo"]
+    assert rounds[0]["ready_peers"] == 2 and rounds[0]["error"]
+    assert rounds[1]["ready_peers"] == 1  # the ghost is still at epoch 0: not a partner for epoch 1
+    assert "averaging failed" in (local_swarm.workdir / "real.log").read_text()
