@@ -201,15 +201,17 @@ class RoundAverager:
         control = self.averager.step(
             weight=float(weight),
             gather={"epoch": epoch, "tokens": int(weight)},
+            # deadline for *finding* a group: after the round gate, peers arrive within a second, so one
+            # matchmaking period suffices; three leave room for a retry (the all-reduce has its own timeout)
             timeout=self.cfg.matchmaking_time * 3,
             wait=False,
         )
         try:
             gathered = await asyncio.to_thread(control.result)
-        except BaseException as e:  # no group, timeout, a peer died mid-round: never fatal here
-            if isinstance(e, asyncio.CancelledError):
-                control.cancel()
-                raise
+        except asyncio.CancelledError:
+            control.cancel()
+            raise
+        except Exception as e:  # no group, timeout, a peer died mid-round: never fatal here
             return self._result(False, started, before, error=f"{type(e).__name__}: {e}".strip(": "))
         if not gathered or len(gathered) < 2:
             return self._result(False, started, before, error="no other peer joined the group")

@@ -13,14 +13,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import InnerConfig
+from .config import ConfigError, InnerConfig
 from .data import Corpus
 
 
 def pick_device(name: str) -> torch.device:
-    if name != "auto":
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"inner.device={name!r} but this machine has no usable CUDA GPU: use inner.device=auto or cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("inner.device='mps' but Apple's MPS backend is not available: use inner.device=auto or cpu")
+    return torch.device(name)
 
 
 def lr_factor(step: int, cfg: InnerConfig) -> float:

@@ -3,11 +3,12 @@
 import math
 
 import pytest
+import torch
 
-from diloco_peer.config import InnerConfig, load_config
+from diloco_peer.config import ConfigError, InnerConfig, load_config
 from diloco_peer.data import Corpus
 from diloco_peer.model import build_model
-from diloco_peer.trainer import Trainer, lr_factor
+from diloco_peer.trainer import Trainer, lr_factor, pick_device
 
 SMALL = ["data.max_bytes=400_000", "data.seq_len=32", "data.num_shards=2", "model.max_seq_len=32",
          "model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=64", "inner.batch_size=8"]
@@ -62,3 +63,9 @@ def test_bf16_autocast_on_cpu_trains():
 def test_fp32_on_cpu(precision):
     trainer, _ = make_trainer(f"inner.precision={precision}")
     assert trainer.autocast_dtype is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_asking_for_a_missing_gpu_is_a_config_error():
+    with pytest.raises(ConfigError, match="inner.device='cuda'.*auto or cpu"):
+        pick_device("cuda")
