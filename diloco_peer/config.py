@@ -246,6 +246,8 @@ def _apply_override(tree: dict, path: list[str], value: Any) -> None:
         if not is_section:
             raise ConfigError(f"'{'.'.join(path[:depth + 1])}' is a value, not a section: drop the rest of the key")
         node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"'{'.'.join(path[:depth + 1])}' must be a [section] in the config file, not a value")
         model = annotation
 
 
@@ -269,9 +271,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pe
     """Read a TOML config (a path or a shipped name; default tiny-cpu), apply ``--set`` overrides, validate."""
     config_path = resolve_config_path(str(path) if path else DEFAULT_CONFIG)
     try:
-        tree = tomllib.loads(config_path.read_text())
-    except tomllib.TOMLDecodeError as e:
+        tree = tomllib.loads(config_path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{config_path} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config {config_path}: {e.strerror}") from None
     for item in overrides:
         _apply_override(tree, *parse_override(item))
     source = f"{config_path}" + (" + --set" if overrides else "")

@@ -63,6 +63,16 @@ def test_bad_files(tmp_path):
         load_config(broken)
     with pytest.raises(ConfigError, match="tiny-cpu"):
         load_config("no-such-config")
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe[inner]")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(binary)
+    flat = tmp_path / "flat.toml"
+    flat.write_text("inner = 3\n")
+    with pytest.raises(ConfigError, match=r"'inner' must be a \[section\]"):
+        load_config(flat, ["inner.lr=1"])
+    with pytest.raises(ConfigError, match="bad value for 'inner'"):
+        load_config(flat)
 
 
 def test_fingerprint_covers_what_the_swarm_shares():
