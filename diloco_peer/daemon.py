@@ -112,75 +112,86 @@ class PeerDaemon:
 
     async def _train(self, trainer: Trainer, outer: OuterOptimizer, averager: RoundAverager,
                      progress: SwarmProgress, events: EventLog) -> None:
-        cfg = self.cfg
-        H = cfg.outer.inner_steps
-        chunk = max(1, H // PROGRESS_EVENTS_PER_ROUND)
-        last_log = time.monotonic()
+        """Outer rounds until stopped or ``run.max_rounds``; an interrupted round is abandoned, not sent."""
+        self._last_log = time.monotonic()
         while not self.stopping:
-            round_started = time.perf_counter()
-            epoch, tokens, compute, losses = outer.epoch, 0, 0.0, []
-            while trainer.step - epoch * H < H and not self.stopping:
-                todo = min(chunk, H - (trainer.step - epoch * H))
-                stats = await asyncio.to_thread(trainer.train_steps, todo, lambda: self.stopping)
-                tokens, compute = tokens + stats.tokens, compute + stats.seconds
-                losses.append((stats.loss, stats.steps))
-                progress.record = progress.record.copy(update={"inner_step": trainer.step})
-                tokens_per_second = stats.tokens / max(stats.seconds, 1e-9)
-                events.write("progress", peer=self.name, epoch=epoch, inner_step=trainer.step, loss=stats.loss,
-                             lr=stats.lr, tokens=stats.tokens, tokens_per_second=tokens_per_second)
-                if time.monotonic() - last_log >= PROGRESS_LOG_SECONDS:
-                    last_log = time.monotonic()
-                    logger.info(f"round {epoch + 1}: inner step {trainer.step - epoch * H}/{H} | "
-                                f"train loss {stats.loss:.4f} | lr {stats.lr:.2e} | {tokens_per_second:,.0f} tok/s")
+            started = time.perf_counter()
+            epoch = outer.epoch
+            inner = await self._inner_steps(trainer, epoch, progress, events)
             if self.stopping:
-                return  # an unfinished round is abandoned: its pseudo-gradient would be partial
-
-            pseudo_gradient = outer.pseudo_gradient()
-            await progress.publish(epoch=epoch, inner_step=trainer.step, ready=True,
-                                   tokens=progress.record.tokens + tokens)
-            first_round = epoch == 0
-            decision = await progress.wait_until_ready(
-                min_peers=cfg.averaging.min_peers if first_round else 1,
-                min_peers_timeout=cfg.averaging.first_round_timeout,
-                ready_timeout=cfg.averaging.ready_timeout,
-                should_stop=lambda: self.stopping,
-            )
-            if self.stopping:
+                return  # a partial pseudo-gradient would skew the average
+            record = await self._outer_round(trainer, outer, averager, progress, epoch, inner)
+            if record is None:
                 return
-            if decision.ready > 1:
-                result = await averager.average(pseudo_gradient, weight=tokens, epoch=epoch)
-                outcome = "averaged" if result.ok else "failed"
-            else:
-                result, outcome = RoundResult(ok=False, error=decision.reason), "solo"
-            if not result.ok and outcome == "failed":
-                logger.warning(f"round {epoch + 1}: averaging failed ({result.error}); taking a solo outer step")
-            if len(set(result.group_epochs)) > 1:
-                logger.warning(f"round {epoch + 1}: the group mixed epochs {sorted(result.group_epochs)}")
-            if result.values_not_averaged:
-                logger.warning(f"round {epoch + 1}: {result.values_not_averaged} values were not averaged "
-                               f"(a reducer failed): replicas differ until the next state sync")
-            outer.step(result.averaged if result.ok else pseudo_gradient)
-            await progress.publish(epoch=outer.epoch, ready=False)
-
-            eval_loss = await asyncio.to_thread(trainer.evaluate)
-            train_loss = sum(l * n for l, n in losses) / max(sum(n for _, n in losses), 1)
-            record = dict(
-                peer=self.name, round=outer.epoch, epoch=epoch, outcome=outcome, group_size=result.group_size,
-                group_epochs=result.group_epochs, ready_peers=decision.ready, alive_peers=decision.alive,
-                wait_seconds=decision.waited, allreduce_seconds=result.seconds, bytes_sent=result.bytes_sent,
-                bytes_received=result.bytes_received, values_not_averaged=result.values_not_averaged,
-                error=result.error, tokens=tokens, compute_seconds=compute,
-                round_seconds=time.perf_counter() - round_started, train_loss=train_loss, eval_loss=eval_loss,
-                inner_lr=trainer.current_lr(), outer_lr=cfg.outer.lr, inner_step=trainer.step,
-                param_sha256=param_sha256(outer.params),
-            )
+            record.update(round_seconds=time.perf_counter() - started)
             events.write("round", **record)
-            last_log = time.monotonic()
+            self._last_log = time.monotonic()
             logger.info(
-                f"round {outer.epoch}: {outcome} with group of {result.group_size} "
-                f"({result.seconds:.2f}s, {(result.bytes_sent + result.bytes_received) / 1e6:.2f} MB) | "
-                f"train loss {train_loss:.4f} | eval loss {eval_loss:.4f} | {tokens / max(compute, 1e-9):,.0f} tok/s"
+                f"round {record['round']}: {record['outcome']} with group of {record['group_size']} "
+                f"({record['allreduce_seconds']:.2f}s, {(record['bytes_sent'] + record['bytes_received']) / 1e6:.2f} MB)"
+                f" | train loss {record['train_loss']:.4f} | eval loss {record['eval_loss']:.4f} | "
+                f"{inner['tokens'] / max(inner['compute_seconds'], 1e-9):,.0f} tok/s"
             )
-            if cfg.run.max_rounds and outer.epoch >= cfg.run.max_rounds:
-                logger.info(f"{self.name}: reached run.max_rounds={cfg.run.max_rounds}, leaving the swarm")
+            if self.cfg.run.max_rounds and outer.epoch >= self.cfg.run.max_rounds:
+                logger.info(f"{self.name}: reached run.max_rounds={self.cfg.run.max_rounds}, leaving the swarm")
                 return
+
+    async def _inner_steps(self, trainer: Trainer, epoch: int, progress: SwarmProgress, events: EventLog) -> dict:
+        """The H inner steps of ``epoch``, in chunks so that progress shows between them."""
+        H = self.cfg.outer.inner_steps
+        chunk = max(1, H // PROGRESS_EVENTS_PER_ROUND)
+        tokens, compute, weighted_loss = 0, 0.0, 0.0
+        while trainer.step - epoch * H < H and not self.stopping:
+            todo = min(chunk, H - (trainer.step - epoch * H))
+            stats = await asyncio.to_thread(trainer.train_steps, todo, lambda: self.stopping)
+            tokens, compute = tokens + stats.tokens, compute + stats.seconds
+            weighted_loss += stats.loss * stats.steps
+            progress.record = progress.record.copy(update={"inner_step": trainer.step})  # sent with the heartbeat
+            tokens_per_second = stats.tokens / max(stats.seconds, 1e-9)
+            events.write("progress", peer=self.name, epoch=epoch, inner_step=trainer.step, loss=stats.loss,
+                         lr=stats.lr, tokens=stats.tokens, tokens_per_second=tokens_per_second)
+            if time.monotonic() - self._last_log >= PROGRESS_LOG_SECONDS:
+                self._last_log = time.monotonic()
+                logger.info(f"round {epoch + 1}: inner step {trainer.step - epoch * H}/{H} | "
+                            f"train loss {stats.loss:.4f} | lr {stats.lr:.2e} | {tokens_per_second:,.0f} tok/s")
+        return {"tokens": tokens, "compute_seconds": compute, "train_loss": weighted_loss / H}
+
+    async def _outer_round(self, trainer: Trainer, outer: OuterOptimizer, averager: RoundAverager,
+                           progress: SwarmProgress, epoch: int, inner: dict) -> dict | None:
+        """Gate, all-reduce (or solo), outer step, eval. Returns the round's record, or None if stopping."""
+        cfg = self.cfg
+        pseudo_gradient = await asyncio.to_thread(outer.pseudo_gradient)
+        await progress.publish(epoch=epoch, inner_step=trainer.step, ready=True,
+                               tokens=progress.record.tokens + inner["tokens"])
+        decision = await progress.wait_until_ready(
+            min_peers=cfg.averaging.min_peers if epoch == 0 else 1,
+            min_peers_timeout=cfg.averaging.first_round_timeout,
+            ready_timeout=cfg.averaging.ready_timeout,
+            should_stop=lambda: self.stopping,
+        )
+        if self.stopping:
+            return None
+        if decision.ready > 1:
+            result = await averager.average(pseudo_gradient, weight=inner["tokens"], epoch=epoch)
+            outcome = "averaged" if result.ok else "failed"
+        else:
+            result, outcome = RoundResult(ok=False, error=decision.reason), "solo"
+        if outcome == "failed":
+            logger.warning(f"round {epoch + 1}: averaging failed ({result.error}); taking a solo outer step")
+        if len(set(result.group_epochs)) > 1:
+            logger.warning(f"round {epoch + 1}: the group mixed epochs {sorted(result.group_epochs)}")
+        if result.values_not_averaged:
+            logger.warning(f"round {epoch + 1}: {result.values_not_averaged} values were not averaged "
+                           f"(a reducer failed): replicas differ until the next state sync")
+        await asyncio.to_thread(outer.step, result.averaged if result.ok else pseudo_gradient)
+        await progress.publish(epoch=outer.epoch, ready=False)
+        eval_loss = await asyncio.to_thread(trainer.evaluate)
+        return {
+            "peer": self.name, "round": outer.epoch, "epoch": epoch, "outcome": outcome,
+            "group_size": result.group_size, "group_epochs": result.group_epochs, "ready_peers": decision.ready,
+            "alive_peers": decision.alive, "wait_seconds": decision.waited, "allreduce_seconds": result.seconds,
+            "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received,
+            "values_not_averaged": result.values_not_averaged, "error": result.error, **inner,
+            "eval_loss": eval_loss, "inner_lr": trainer.current_lr(), "outer_lr": cfg.outer.lr,
+            "inner_step": trainer.step, "param_sha256": await asyncio.to_thread(param_sha256, outer.params),
+        }

@@ -21,7 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .config import load_config
-from .events import read_events
+from .events import EventFollower
 from .report import format_table, plot_losses, summarize
 
 POLL_SECONDS = 0.5
@@ -104,12 +104,11 @@ def run_demo(args) -> int:
                         "--report-every", "10"),
             stdout=boot_out, stderr=subprocess.STDOUT,
         )
-    progress = None
     try:
         address = _wait_for_join_line(boot_log, bootstrap)
         print(f"demo: bootstrap node at {address}", flush=True)
         for i, name in enumerate(logs):
-            # one shard per peer: each reads a third of the corpus instead of 1/64th of it
+            # one shard per peer: each reads 1/N of the corpus rather than 1/64th of it
             sets = [f"data.num_shards={args.peers}", f"data.shard={i}", f"run.threads={threads}",
                     f"averaging.min_peers={args.peers}", *args.overrides,
                     f"run.max_rounds={args.rounds}", f"run.log_dir={str(out)!r}"]
@@ -119,12 +118,10 @@ def run_demo(args) -> int:
             with (out / f"{name}.log").open("w") as peer_out:
                 procs[name] = subprocess.Popen(cmd, stdout=peer_out, stderr=subprocess.STDOUT)
         progress = _Progress(args.peers, args.rounds)
-        counted = {name: 0 for name in logs}
+        followers = [EventFollower(path) for path in logs.values()]
         while True:
-            for name, path in logs.items():
-                rounds = [e for e in read_events(path) if e["event"] == "round"]
-                progress.update(rounds[counted[name]:])
-                counted[name] = len(rounds)
+            for follower in followers:
+                progress.update([e for e in follower.new_events() if e["event"] == "round"])
             failed = {n: p.returncode for n, p in procs.items() if p.poll() not in (None, 0)}
             if failed:
                 name, code = next(iter(failed.items()))

@@ -35,3 +35,20 @@ def read_events(path: Path) -> Iterator[dict]:
         for line in f:
             if line.endswith("\n"):
                 yield json.loads(line)
+
+
+class EventFollower:
+    """Yields the events appended to a log since the last call (for live progress; the file may not exist yet)."""
+
+    def __init__(self, path: Path):
+        self.path, self._offset, self._partial = path, 0, b""
+
+    def new_events(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            data = self._partial + f.read()
+            self._offset = f.tell()
+        *lines, self._partial = data.split(b"\n")
+        return [json.loads(line) for line in lines if line]
