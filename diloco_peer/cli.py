@@ -10,6 +10,7 @@ Exit codes: 0 ok, 1 runtime failure (e.g. no bootstrap reachable), 2 bad input (
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -90,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
         for addr in args.bootstrap:
             parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
         if args.identity is not None:
-            overrides.append(f"swarm.identity_path={args.identity!r}")
+            overrides.append(f"swarm.identity_path={json.dumps(args.identity)}")
         cfg = load_config(args.config, overrides)
         return uvloop.run(PeerDaemon(cfg, args.bootstrap, args.name).run())
     if args.command == "demo":

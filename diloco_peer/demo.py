@@ -111,7 +111,7 @@ def run_demo(args) -> int:
             # one shard per peer: each reads 1/N of the corpus rather than 1/64th of it
             sets = [f"data.num_shards={args.peers}", f"data.shard={i}", f"run.threads={threads}",
                     f"averaging.min_peers={args.peers}", *args.overrides,
-                    f"run.max_rounds={args.rounds}", f"run.log_dir={str(out)!r}"]
+                    f"run.max_rounds={args.rounds}", f"run.log_dir={json.dumps(str(out))}"]
             cmd = _python_cmd("join", address, "--name", name, *(["--config", args.config] if args.config else []))
             for item in sets:
                 cmd += ["--set", item]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -72,7 +73,7 @@ class LocalSwarm:
 
     def start_peer(self, name: str, *sets: str) -> subprocess.Popen:
         cmd = ["join", self.address, "--name", name]
-        for item in [*FAST, f"run.log_dir={str(self.workdir)!r}", *sets]:
+        for item in [*FAST, f"run.log_dir={json.dumps(str(self.workdir))}", *sets]:
             cmd += ["--set", item]
         return self.spawn(cmd, f"{name}.log")
 

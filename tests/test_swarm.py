@@ -86,7 +86,7 @@ def test_single_peer_with_unit_outer_lr_equals_plain_adamw(tmp_path):
     steps = 6
     cfg = load_config(None, [
         *FAST, "outer.inner_steps=1", "outer.lr=1.0", "outer.momentum=0.0", "outer.nesterov=false",
-        "averaging.min_peers=1", f"run.max_rounds={steps}", "data.shard=0", f"run.log_dir={str(tmp_path)!r}",
+        "averaging.min_peers=1", f"run.max_rounds={steps}", "data.shard=0", f"run.log_dir={json.dumps(str(tmp_path))}",
         "swarm.host_maddrs=[\"/ip4/127.0.0.1/tcp/0\"]",
     ])
     daemon = PeerDaemon(cfg, initial_peers=[], name="solo")
