@@ -38,10 +38,6 @@ class OuterOptimizer:
         self.epoch = 0
         """Outer rounds applied so far."""
 
-    @property
-    def num_values(self) -> int:
-        return sum(p.numel() for p in self.params)
-
     @torch.no_grad()
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """``outer - replica`` for every parameter, as new fp32 CPU tensors."""
@@ -61,6 +57,3 @@ class OuterOptimizer:
     def load_into_model(self) -> None:
         for outer, p in zip(self.params, self.model.parameters()):
             p.copy_(outer.to(p.device, p.dtype), non_blocking=True)
-
-    def momentum_buffers(self) -> list[torch.Tensor | None]:
-        return [self.optimizer.state.get(p, {}).get("momentum_buffer") for p in self.params]
