@@ -23,6 +23,9 @@ DEFAULT_CONFIG = "tiny-cpu"
 class ConfigError(ValueError):
     """A bad config file, key or value. The message is one line, fit to print as it is."""
 
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).splitlines()))  # user input may carry line breaks
+
 
 class _Section(BaseModel):
     # strict: "yes" is not a bool and "3" is not an int; extra keys are typos, not options.
@@ -224,6 +227,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word such as cpu or my-run
+    except RecursionError:
+        raise ConfigError(f"bad --set value for '{key}': nested too deeply") from None
     return key.split("."), value
 
 

@@ -63,16 +63,18 @@ def file_documents(paths: list[str], text_field: str, max_bytes: int) -> Iterato
         if not path.is_file():
             raise DataError(f"data file '{raw}' does not exist: fix data.paths")
         if path.suffix == ".jsonl":
-            with path.open(encoding="utf-8") as f:
+            with path.open(encoding="utf-8", errors="replace") as f:
                 for lineno, line in enumerate(f, 1):
                     if not line.strip():
                         continue
                     try:
                         text = json.loads(line)[text_field]
+                        if not isinstance(text, str):
+                            raise TypeError(text_field)
                     except (json.JSONDecodeError, KeyError, TypeError):
                         raise DataError(f"{path}:{lineno} is not a JSON object with a '{text_field}' string: "
                                         f"fix the file or data.text_field") from None
-                    yield Document(f"{path}:{lineno}", str(text))
+                    yield Document(f"{path}:{lineno}", text)
                     total += len(text)
                     if total >= max_bytes:
                         return

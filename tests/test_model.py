@@ -1,4 +1,4 @@
-"""The Llama-style decoder: deterministic init, shapes, causality, GQA, tied embeddings."""
+"""The Llama-style decoder: deterministic init, shapes, initial loss, causality, GQA, tied embeddings."""
 
 import math
 
@@ -12,40 +12,52 @@ SMALL = ["model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=64
          "data.seq_len=32"]
 
 
-def small_model(*extra: str, seed: int = 0):
-    return build_model(load_config(None, [*SMALL, *extra]).model, seed)
+def small_model(*overrides: str, seed: int = 0):
+    return build_model(load_config(None, [*SMALL, *overrides]).model, seed)
+
+
+def random_tokens(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 def test_init_is_a_function_of_the_seed():
-    assert param_sha256(small_model().parameters()) == param_sha256(small_model().parameters())
-    assert param_sha256(small_model().parameters()) != param_sha256(small_model(seed=1).parameters())
+    first = param_sha256(small_model(seed=0).parameters())
+    assert param_sha256(small_model(seed=0).parameters()) == first
+    assert param_sha256(small_model(seed=1).parameters()) != first
 
 
-def test_shapes_and_initial_loss():
+def test_logits_shape_and_initial_loss():
     model = small_model()
-    tokens = torch.randint(0, 256, (3, 17), generator=torch.Generator().manual_seed(0))
-    assert model(tokens).shape == (3, 17, 256)
-    loss = model(tokens[:, :-1], tokens[:, 1:])
-    assert loss.dim() == 0 and abs(loss.item() - math.log(256)) < 0.5
+    tokens = random_tokens(3, 17)
+    with torch.no_grad():
+        assert model(tokens).shape == (3, 17, 256)
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+    assert loss.dim() == 0
+    assert abs(loss.item() - math.log(256)) < 0.5
 
 
-def test_causal():
+def test_changing_a_token_only_changes_later_logits():
     model = small_model()
-    tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    tokens = random_tokens(1, 16)
     changed = tokens.clone()
     changed[0, 10] = (changed[0, 10] + 1) % 256
     with torch.no_grad():
-        a, b = model(tokens), model(changed)
-    assert torch.equal(a[:, :10], b[:, :10])
-    assert not torch.equal(a[:, 10:], b[:, 10:])
+        before, after = model(tokens), model(changed)
+    assert torch.equal(before[:, :10], after[:, :10])
+    assert not torch.allclose(before[:, 10:], after[:, 10:])
 
 
-def test_grouped_query_attention_trains():
+def test_grouped_query_attention_runs_forward_and_backward():
     model = small_model("model.num_heads=4", "model.num_kv_heads=2")
-    assert model.blocks[0].attn.k_proj.weight.shape == (16, 32)
-    tokens = torch.randint(0, 256, (2, 9))
-    model(tokens[:, :-1], tokens[:, 1:]).backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    attn = model.blocks[0].attn
+    assert attn.q_proj.weight.shape == (32, 32) and attn.k_proj.weight.shape == (16, 32)
+    tokens = random_tokens(2, 9)
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    assert math.isfinite(loss.item())
+    for name, param in model.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+    assert attn.k_proj.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -1,55 +1,91 @@
-"""The outer optimizer against the reference formula of Nesterov / classic momentum SGD."""
+"""The outer optimizer against the reference formulas of Nesterov and classic momentum SGD."""
 
 import pytest
 import torch
 
-from diloco_peer.config import OuterConfig
+from diloco_peer.config import OuterConfig, load_config
+from diloco_peer.model import build_model
 from diloco_peer.outer_optimizer import OuterOptimizer
 
+SMALL = ["model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=64", "model.max_seq_len=32",
+         "data.seq_len=32"]
 
-def make(cfg: OuterConfig):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
+
+def make(cfg: OuterConfig) -> tuple[torch.nn.Module, OuterOptimizer]:
+    """A tiny Llama (tied embeddings: a shared parameter must be handled once) and its outer optimizer."""
+    model = build_model(load_config(None, SMALL).model, seed=0)
     return model, OuterOptimizer(model, cfg)
+
+
+@torch.no_grad()
+def perturb(model: torch.nn.Module, seed: int = 0) -> None:
+    """Stand-in for H inner steps: move every weight a little."""
+    torch.manual_seed(seed)
+    for p in model.parameters():
+        p.add_(0.01 * torch.randn_like(p))
+
+
+def test_outer_weights_start_as_a_copy_of_the_replica():
+    model, outer = make(OuterConfig())
+    replica = list(model.parameters())
+    assert len(outer.params) == len(replica)
+    for o, p in zip(outer.params, replica):
+        assert torch.equal(o, p.detach()) and o.data_ptr() != p.data_ptr()
 
 
 def test_pseudo_gradient_is_outer_minus_replica():
     model, outer = make(OuterConfig())
-    start = [p.detach().clone() for p in model.parameters()]
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p))
-    for g, s, p in zip(outer.pseudo_gradient(), start, model.parameters()):
-        torch.testing.assert_close(g, s - p.detach(), rtol=0, atol=0)
+    perturb(model)
+    grads = outer.pseudo_gradient()
+    assert len(grads) == len(outer.params)
+    for g, o, p in zip(grads, outer.params, model.parameters()):
+        assert g.dtype == torch.float32 and g.device.type == "cpu"
+        assert torch.equal(g, o.detach() - p.detach())
+        assert g.abs().sum() > 0
 
 
-@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "classic"])
 def test_three_steps_match_the_reference_formula(nesterov):
-    lr, mu = 0.7, 0.9
-    model, outer = make(OuterConfig(lr=lr, momentum=mu, nesterov=nesterov))
-    params = [p.detach().double().clone() for p in model.parameters()]
-    buffers = [None] * len(params)
-    gen = torch.Generator().manual_seed(1)
+    lr, momentum = 0.7, 0.9
+    model, outer = make(OuterConfig(lr=lr, momentum=momentum, nesterov=nesterov))
+    expected = [p.detach().double().clone() for p in model.parameters()]
+    buffers = [None] * len(expected)
+    torch.manual_seed(1)
     for step in range(3):
-        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        grads = [0.01 * torch.randn(p.shape) for p in expected]
         outer.step(grads)
         for i, g in enumerate(grads):
             g = g.double()
-            buffers[i] = g.clone() if buffers[i] is None else mu * buffers[i] + g
-            update = g + mu * buffers[i] if nesterov else buffers[i]
-            params[i] = params[i] - lr * update
-        for got, want in zip(outer.params, params):
-            torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
-        for replica, o in zip(model.parameters(), outer.params):
-            assert torch.equal(replica.detach(), o.detach()), "the replica must be loaded with the outer weights"
-        assert outer.epoch == step + 1
+            buffers[i] = g.clone() if step == 0 else momentum * buffers[i] + g
+            update = g + momentum * buffers[i] if nesterov else buffers[i]
+            expected[i] = expected[i] - lr * update
+        for got, want in zip(outer.params, expected):
+            torch.testing.assert_close(got.detach(), want.float(), rtol=1e-6, atol=1e-7)
 
 
-def test_unit_lr_without_momentum_copies_the_replica():
+def test_step_loads_the_outer_weights_into_the_replica():
+    model, outer = make(OuterConfig())
+    for epoch in range(1, 3):
+        perturb(model, seed=epoch)
+        outer.step(outer.pseudo_gradient())
+        assert outer.epoch == epoch
+        for p, o in zip(model.parameters(), outer.params):
+            assert torch.equal(p.detach(), o.detach())
+
+
+def test_step_leaves_the_callers_pseudo_gradient_alone():
+    model, outer = make(OuterConfig())
+    perturb(model)
+    grads = outer.pseudo_gradient()
+    kept = [g.clone() for g in grads]
+    outer.step(grads)
+    outer.step(grads)
+    assert all(torch.equal(g, k) for g, k in zip(grads, kept))
+
+
+def test_unit_lr_without_momentum_adopts_the_replica():
     model, outer = make(OuterConfig(lr=1.0, momentum=0.0, nesterov=False))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(0.5).add_(0.1)
+    perturb(model)
     trained = [p.detach().clone() for p in model.parameters()]
     outer.step(outer.pseudo_gradient())
     for o, t in zip(outer.params, trained):
