@@ -28,9 +28,11 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import Float16Compression, NoCompression, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.dht import DHT
+from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+from hivemind.utils import MPFuture, get_dht_time
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, azip
+from hivemind.utils.streaming import combine_from_streaming
 
 from .config import AveragingConfig
 
@@ -117,11 +119,51 @@ class _ExactAllReduceRunner(AllReduceRunner):
 
 
 class PseudoGradientAverager(DecentralizedAverager):
-    """hivemind's averager with exact (non-delta) results and byte counters; runs in its own process."""
+    """hivemind's averager with exact (non-delta) results and byte counters; runs in its own process.
+
+    It also serves and fetches the peer's state (see ``state_sync.py``): ``state_provider`` is called in
+    this (host) process whenever another peer downloads our state, and ``download_state_from`` fetches
+    the state of one chosen donor, where hivemind's ``load_state_from_peers`` always picks the donor itself.
+    """
 
     def __init__(self, averaged_tensors, dht: DHT, **kwargs):
         self.traffic = torch.zeros(3, dtype=torch.int64).share_memory_()
+        self.state_provider = None
         super().__init__(averaged_tensors, dht, **kwargs)
+
+    def get_current_state(self):
+        if self.state_provider is None:
+            raise RuntimeError("this peer has no state to share yet")
+        return self.state_provider()
+
+    def download_state_from(self, donor: str, timeout: float) -> tuple[dict, list[torch.Tensor], int]:
+        """Download ``donor``'s state: (metadata, tensors, bytes received). Raises on failure or silence."""
+        future = MPFuture()
+        self._outer_pipe.send(("_download_state_from", [], dict(donor=donor, timeout=timeout, future=future)))
+        return future.result()
+
+    async def _download_state_from(self, donor: str, timeout: float, future: MPFuture) -> None:
+        # runs in the averager process; ``timeout`` bounds the wait for each chunk, not the whole download
+        try:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(donor), namespace=self.prefix)
+            stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
+            metadata, tensors, parts, received = None, [], [], 0
+            async for message in aiter_with_timeout(stream, timeout=timeout):
+                received += message.ByteSize()
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
+            if parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            if metadata is None:
+                raise RuntimeError("the donor declined to share its state")
+            future.set_result((metadata, tensors, received))
+        except BaseException as e:
+            if not future.done():
+                future.set_exception(RuntimeError(f"{type(e).__name__}: {e}".strip(": ")))
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
@@ -189,6 +231,7 @@ class RoundAverager:
             compression=CODECS[cfg.compression](),
             bandwidth=cfg.bandwidth or None,
             shutdown_timeout=5,
+            declare_state_period=max(cfg.heartbeat * 3, 5.0),
         )
 
     async def average(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int) -> RoundResult:

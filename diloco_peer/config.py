@@ -44,6 +44,9 @@ class RunConfig(_Section):
     """Directory for the peer's JSONL event log (one file per peer)."""
     threads: int = Field(0, ge=0)
     """torch CPU threads for this peer; 0 keeps torch's default."""
+    shutdown_grace: float = Field(30.0, gt=0)
+    """Seconds a graceful leave (SIGTERM, Ctrl+C) may take: finish the inner step, write the checkpoint,
+    withdraw from the swarm. Past it the daemon exits at once with code 1 (the last checkpoint stays valid)."""
 
 
 class ModelConfig(_Section):
@@ -154,6 +157,10 @@ class AveragingConfig(_Section):
     """Seconds between progress records published to the DHT (records expire after 3 heartbeats)."""
     bandwidth: float = Field(0.0, ge=0)
     """Declared bandwidth in MB/s: the share of the all-reduce this peer reduces; 0 = equal shares."""
+    sync_timeout: float = Field(30.0, gt=0)
+    """State sync: seconds to wait for each chunk of a state download before trying another donor."""
+    sync_attempts: int = Field(3, ge=1)
+    """State sync: donors to try (one after the other) before giving up until the next round."""
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> AveragingConfig:
@@ -173,6 +180,21 @@ class SwarmConfig(_Section):
     identity_path: str = ""
     """libp2p private key file: a stable peer id across restarts; created if missing; empty = new id."""
     startup_timeout: float = Field(30.0, gt=0)
+    join_timeout: float = Field(300.0, ge=0)
+    """If no bootstrap is reachable at start, keep retrying (backoff 2 s doubling to 60 s) for this many
+    seconds before giving up with exit code 1; 0 gives up at once."""
+
+
+class CheckpointConfig(_Section):
+    """Checkpoints of the peer's whole state, written atomically in the background (see checkpoint.py)."""
+
+    dir: str = "checkpoints"
+    """Directory of this peer's checkpoints: ``{dir}/{peer name}/``. ``join`` resumes from the newest one
+    there (same --name or --identity); empty disables checkpoints."""
+    every_rounds: int = Field(1, ge=1)
+    """Write a checkpoint after every this many outer rounds (and always when leaving)."""
+    keep: int = Field(3, ge=1)
+    """Checkpoints to keep; older ones are deleted once a newer one is safely on disk."""
 
 
 class PeerConfig(_Section):
@@ -183,6 +205,7 @@ class PeerConfig(_Section):
     outer: OuterConfig = OuterConfig()
     averaging: AveragingConfig = AveragingConfig()
     swarm: SwarmConfig = SwarmConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @model_validator(mode="after")
     def _check_cross(self) -> PeerConfig:

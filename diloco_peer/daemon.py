@@ -11,7 +11,13 @@ One outer round, as DiLoCo (Douillard et al. 2023) and OpenDiLoCo run it:
 4. outer Nesterov SGD on the CPU copy with the average (or, if no group formed, with our own
    pseudo-gradient: a *solo* step, logged and counted), load the result into the replica, evaluate.
 
-SIGTERM/SIGINT: finish the current inner step, withdraw from the swarm, exit 0; a second signal exits at once.
+Churn: a peer that is behind (newcomer, restart from an old checkpoint, straggler) or whose weights left
+the swarm's (a failed round, a reducer that died mid-all-reduce) downloads the swarm's state from peers
+that hold it (``state_sync.py``) and goes on from there. Checkpoints are written in the background after
+every ``checkpoint.every_rounds`` rounds and when leaving; ``join`` resumes from the newest one.
+
+SIGTERM/SIGINT: finish the current inner step, write a checkpoint, withdraw from the swarm, exit 0 within
+``run.shutdown_grace`` seconds; a second signal exits at once. No child process (p2pd, averager) survives.
 """
 
 from __future__ import annotations
@@ -23,16 +29,19 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from .averaging_round import RoundAverager, RoundResult
+from .checkpoint import CheckpointManager, capture, restore
 from .config import PeerConfig
 from .data import Corpus, shard_for_peer
 from .events import EventLog
-from .model import build_model, num_parameters, param_sha256
+from .model import build_model, num_parameters
 from .outer_optimizer import OuterOptimizer
 from .progress import SwarmProgress
-from .swarm import start_dht, visible_addresses
+from .state_sync import StateSync, swarm_target
+from .swarm import join_swarm, visible_addresses
 from .trainer import Trainer
 
 logger = logging.getLogger("diloco_peer")
@@ -55,13 +64,25 @@ class PeerDaemon:
         self.trainer: Trainer | None = None
         """The replica and its inner optimizer; kept after ``run`` returns, for inspection (tests)."""
         self.outer: OuterOptimizer | None = None
+        self.sync: StateSync | None = None
+        self.events: EventLog | None = None
+        self.first_contribution: float | None = None
+        """Seconds from process start to the first round this peer averaged with others."""
 
     def _request_stop(self, signame: str) -> None:
         if self.stopping:
             logger.warning(f"second {signame}: exiting now")
-            os._exit(130)
-        logger.info(f"{signame}: leaving after the current inner step (press Ctrl+C again to exit at once)")
+            _exit_now(130)
+        grace = self.cfg.run.shutdown_grace
+        logger.info(f"{signame}: leaving after the current inner step, within {grace:g}s "
+                    f"(press Ctrl+C again to exit at once)")
         self.stopping = True
+        asyncio.get_running_loop().call_later(grace, self._grace_expired)
+
+    def _grace_expired(self) -> None:
+        logger.error(f"could not leave cleanly within run.shutdown_grace={self.cfg.run.shutdown_grace:g}s: exiting "
+                     f"now (the last complete checkpoint stays valid)")
+        _exit_now(1)
 
     async def run(self) -> int:
         cfg = self.cfg
@@ -71,50 +92,98 @@ class PeerDaemon:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
 
-        dht = await asyncio.to_thread(start_dht, cfg.swarm, self.initial_peers)
-        averager = progress = None
+        dht = await join_swarm(cfg.swarm, self.initial_peers, should_stop=lambda: self.stopping)
+        if dht is None:
+            return 0  # asked to leave while still waiting for a bootstrap
+        averager = progress = checkpoints = events = None
         try:
             peer_id = dht.peer_id.to_base58()
             self.name = self.name or f"peer-{peer_id[-8:]}"
-            events = EventLog(Path(cfg.run.log_dir) / f"{self.name}.jsonl")
+            events = self.events = EventLog(Path(cfg.run.log_dir) / f"{self.name}.jsonl")
             shard = cfg.data.shard if cfg.data.shard >= 0 else shard_for_peer(peer_id, cfg.data.num_shards)
             corpus = await asyncio.to_thread(Corpus, cfg.data, shard, cfg.model.vocab_size)
             model = build_model(cfg.model, cfg.run.seed)
             trainer = self.trainer = Trainer(model, corpus, cfg.inner)
             outer = self.outer = OuterOptimizer(trainer.model, cfg.outer)
+            resumed_from = ""
+            if cfg.checkpoint.dir:
+                manager = CheckpointManager(cfg.checkpoint, self.name, cfg.fingerprint())
+                state = await asyncio.to_thread(manager.load_latest)  # a foreign checkpoint raises here
+                if state is not None:
+                    await asyncio.to_thread(restore, state, trainer, outer)
+                    resumed_from = str(manager.files()[0])
+                    logger.info(f"resumed from {resumed_from}: epoch {outer.epoch}, inner step {trainer.step}")
+                checkpoints = manager
             averager = RoundAverager(dht, [p.shape for p in outer.params], cfg.run.run_id, cfg.averaging)
+            sync = self.sync = StateSync(averager.averager, outer, cfg.fingerprint(), cfg.outer.inner_steps,
+                                         cfg.averaging, on_serve=lambda epoch, size: events.write(
+                                             "serve", peer=self.name, epoch=epoch, bytes=size))
             progress = SwarmProgress(dht, cfg.run.run_id, peer_id, cfg.averaging.heartbeat)
-            await progress.publish()
+            await progress.publish(epoch=outer.epoch, inner_step=trainer.step, state_hash=sync.state_hash)
             progress.start_heartbeat()
 
             eval_loss = await asyncio.to_thread(trainer.evaluate)
             events.write(
                 "start", peer=self.name, peer_id=peer_id, addresses=visible_addresses(dht), shard=shard,
                 parameters=num_parameters(model), device=str(trainer.device), fingerprint=cfg.fingerprint(),
-                eval_loss=eval_loss, param_sha256=param_sha256(outer.params), pid=os.getpid(),
+                eval_loss=eval_loss, param_sha256=sync.state_hash, pid=os.getpid(), epoch=outer.epoch,
+                resumed_from=resumed_from,
             )
             logger.info(
                 f"{self.name} ({peer_id}) joined run '{cfg.run.run_id}': {num_parameters(model) / 1e6:.2f}M params on "
                 f"{trainer.device}, shard {shard}/{cfg.data.num_shards}, H={cfg.outer.inner_steps}, "
-                f"initial eval loss {eval_loss:.4f}"
+                f"epoch {outer.epoch}, eval loss {eval_loss:.4f}"
             )
-            await self._train(trainer, outer, averager, progress, events)
+            await self._catch_up(progress, await progress.swarm_records())
+            await self._train(trainer, outer, averager, progress, events, checkpoints)
             events.write("stop", peer=self.name, reason="signal" if self.stopping else "max_rounds",
                          epoch=outer.epoch, inner_step=trainer.step)
-            events.close()
             return 0
         finally:
+            if checkpoints is not None and self.outer is not None:
+                # leaving: save the last round boundary (an unfinished round is dropped, never half-saved)
+                state = capture(self.trainer, self.outer, cfg.fingerprint())
+                state.inner_step = self.outer.epoch * cfg.outer.inner_steps
+                checkpoints.save(state, self._on_checkpoint)
+                checkpoints.close()
             if progress is not None:
                 await progress.withdraw()
             if averager is not None:
                 await asyncio.to_thread(averager.shutdown)
             await asyncio.to_thread(dht.shutdown)
+            if events is not None:
+                events.close()
+
+    def _on_checkpoint(self, path: Path, seconds: float, size: int) -> None:
+        self.events.write("checkpoint", peer=self.name, epoch=int(path.stem.split("-")[1]), path=str(path),
+                          seconds=seconds, bytes=size)
+
+    async def _catch_up(self, progress: SwarmProgress, records: list) -> bool:
+        """If the swarm is ahead of us or our weights differ from its, download its state. True if we did."""
+        target = swarm_target(records)
+        why = self.sync.needs_sync(target)
+        if not why:
+            return False
+        logger.info(f"state sync: {why}; downloading epoch {target.epoch} from one of {len(target.holders)} peers")
+        result = await self.sync.sync(target)
+        self.events.write("sync", peer=self.name, reason=why, donor=result.donor, epoch=result.epoch,
+                          seconds=result.seconds, bytes=result.bytes, attempts=result.attempts, ok=result.ok,
+                          error=result.error)
+        if not result.ok:
+            logger.warning(f"state sync failed ({result.error}); will try again at the next round")
+            return False
+        self.trainer.step = self.outer.epoch * self.cfg.outer.inner_steps  # the inner LR-schedule position
+        await progress.publish(epoch=self.outer.epoch, inner_step=self.trainer.step, ready=False,
+                               state_hash=self.sync.state_hash)
+        logger.info(f"state sync: now at epoch {self.outer.epoch} ({result.bytes / 1e6:.2f} MB from "
+                    f"{result.donor[-8:]} in {result.seconds:.2f}s)")
+        return True
 
     async def _train(self, trainer: Trainer, outer: OuterOptimizer, averager: RoundAverager,
-                     progress: SwarmProgress, events: EventLog) -> None:
+                     progress: SwarmProgress, events: EventLog, checkpoints: CheckpointManager | None) -> None:
         """Outer rounds until stopped or ``run.max_rounds``; an interrupted round is abandoned, not sent."""
         self._last_log = time.monotonic()
-        while not self.stopping:
+        while not self.stopping and not self._reached_max_rounds():
             started = time.perf_counter()
             epoch = outer.epoch
             inner = await self._inner_steps(trainer, epoch, progress, events)
@@ -122,8 +191,11 @@ class PeerDaemon:
                 return  # a partial pseudo-gradient would skew the average
             record = await self._outer_round(trainer, outer, averager, progress, epoch, inner)
             if record is None:
-                return
+                continue  # stopping, or the round was replaced by a state sync
             record.update(round_seconds=time.perf_counter() - started)
+            if record["outcome"] == "averaged" and self.first_contribution is None:
+                self.first_contribution = time.time() - psutil.Process().create_time()
+                record["first_contribution_seconds"] = self.first_contribution
             events.write("round", **record)
             self._last_log = time.monotonic()
             logger.info(
@@ -132,9 +204,14 @@ class PeerDaemon:
                 f" | train loss {record['train_loss']:.4f} | eval loss {record['eval_loss']:.4f} | "
                 f"{inner['tokens'] / max(inner['compute_seconds'], 1e-9):,.0f} tok/s"
             )
-            if self.cfg.run.max_rounds and outer.epoch >= self.cfg.run.max_rounds:
-                logger.info(f"{self.name}: reached run.max_rounds={self.cfg.run.max_rounds}, leaving the swarm")
-                return
+            if checkpoints is not None and checkpoints.due(outer.epoch):
+                checkpoints.save(capture(trainer, outer, self.cfg.fingerprint()), self._on_checkpoint)
+
+    def _reached_max_rounds(self) -> bool:
+        if self.cfg.run.max_rounds and self.outer.epoch >= self.cfg.run.max_rounds:
+            logger.info(f"{self.name}: reached run.max_rounds={self.cfg.run.max_rounds}, leaving the swarm")
+            return True
+        return False
 
     async def _inner_steps(self, trainer: Trainer, epoch: int, progress: SwarmProgress, events: EventLog) -> dict:
         """The H inner steps of ``epoch``, in chunks so that progress shows between them."""
@@ -158,7 +235,8 @@ class PeerDaemon:
 
     async def _outer_round(self, trainer: Trainer, outer: OuterOptimizer, averager: RoundAverager,
                            progress: SwarmProgress, epoch: int, inner: dict) -> dict | None:
-        """Gate, all-reduce (or solo), outer step, eval. Returns the round's record, or None if stopping."""
+        """Gate, all-reduce (or solo), outer step, eval. Returns the round's record; None if stopping or if
+        the swarm had moved on and the round was replaced by a state sync."""
         cfg = self.cfg
         pseudo_gradient = await asyncio.to_thread(outer.pseudo_gradient)
         await progress.publish(epoch=epoch, inner_step=trainer.step, ready=True,
@@ -171,7 +249,11 @@ class PeerDaemon:
         )
         if self.stopping:
             return None
+        # behind or off the swarm's weights: our pseudo-gradient is relative to a state nobody else holds
+        if await self._catch_up(progress, decision.records):
+            return None
         if decision.ready > 1:
+            self.events.write("averaging", peer=self.name, epoch=epoch, ready_peers=decision.ready)
             result = await averager.average(pseudo_gradient, weight=inner["tokens"], epoch=epoch)
             outcome = "averaged" if result.ok else "failed"
         else:
@@ -180,11 +262,14 @@ class PeerDaemon:
             logger.warning(f"round {epoch + 1}: averaging failed ({result.error}); taking a solo outer step")
         if len(set(result.group_epochs)) > 1:
             logger.warning(f"round {epoch + 1}: the group mixed epochs {sorted(result.group_epochs)}")
-        if result.values_not_averaged:
+        await asyncio.to_thread(self._outer_step, result.averaged if result.ok else pseudo_gradient)
+        await progress.publish(epoch=outer.epoch, ready=False, state_hash=self.sync.state_hash)
+        if result.values_not_averaged or outcome == "failed":
+            # our weights now differ from those of the others in the group: re-sync at once, before training
             logger.warning(f"round {epoch + 1}: {result.values_not_averaged} values were not averaged "
-                           f"(a reducer failed): replicas differ until the next state sync")
-        await asyncio.to_thread(outer.step, result.averaged if result.ok else pseudo_gradient)
-        await progress.publish(epoch=outer.epoch, ready=False)
+                           f"(a peer failed mid-round); checking our weights against the swarm's")
+            await asyncio.sleep(cfg.averaging.heartbeat)  # the others publish their new state meanwhile
+            await self._catch_up(progress, await progress.swarm_records())
         eval_loss = await asyncio.to_thread(trainer.evaluate)
         return {
             "peer": self.name, "round": outer.epoch, "epoch": epoch, "outcome": outcome,
@@ -193,5 +278,20 @@ class PeerDaemon:
             "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received,
             "values_not_averaged": result.values_not_averaged, "error": result.error, **inner,
             "eval_loss": eval_loss, "inner_lr": trainer.current_lr(), "outer_lr": cfg.outer.lr,
-            "inner_step": trainer.step, "param_sha256": await asyncio.to_thread(param_sha256, outer.params),
+            "inner_step": trainer.step, "param_sha256": self.sync.state_hash,
         }
+
+    def _outer_step(self, update: list[torch.Tensor]) -> None:
+        with self.sync.lock:  # a peer downloading our state sees the state before or after, never between
+            self.outer.step(update)
+            self.sync.after_outer_step()
+
+
+def _exit_now(code: int) -> None:
+    """Exit at once, but take our children (DHT and averager processes, p2pd) along: never leave orphans."""
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    os._exit(code)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -90,6 +91,7 @@ def run_demo(args) -> int:
     if out.exists():
         for old in [*out.glob("*.jsonl"), *out.glob("*.log"), *out.glob("*.key")]:
             old.unlink()
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a demo starts from scratch
     out.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // args.peers)
     started = time.monotonic()
@@ -111,7 +113,8 @@ def run_demo(args) -> int:
             # one shard per peer: each reads 1/N of the corpus rather than 1/64th of it
             sets = [f"data.num_shards={args.peers}", f"data.shard={i}", f"run.threads={threads}",
                     f"averaging.min_peers={args.peers}", *args.overrides,
-                    f"run.max_rounds={args.rounds}", f"run.log_dir={json.dumps(str(out))}"]
+                    f"run.max_rounds={args.rounds}", f"run.log_dir={json.dumps(str(out))}",
+                    f"checkpoint.dir={json.dumps(str(out / 'checkpoints'))}"]
             cmd = _python_cmd("join", address, "--name", name, *(["--config", args.config] if args.config else []))
             for item in sets:
                 cmd += ["--set", item]

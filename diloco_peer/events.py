@@ -1,13 +1,16 @@
 """The peer's event log: one JSON object per line, appended as things happen.
 
-It is the peer's record of what it did (``start``, ``progress`` during inner steps, ``round`` after each
-outer round, ``stop``) and the interface the demo, the tests and ``plot`` read. Every line is flushed
-at once, so a reader tailing the file sees a round the moment it ends.
+It is the peer's record of what it did (``start``, ``progress`` during inner steps, ``averaging`` when an
+all-reduce begins, ``round`` after each outer round, ``sync`` when it downloaded the swarm's state,
+``serve`` when a peer downloaded ours, ``checkpoint`` when one is on disk, ``stop``) and the interface
+the demo, the tests and ``plot`` read. Every line is flushed at once, so a reader tailing the file sees
+a round the moment it ends.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,13 +21,18 @@ class EventLog:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", encoding="utf-8")
+        self._lock = threading.Lock()  # state sync writes ``serve`` events from hivemind's thread
 
     def write(self, event: str, **fields) -> None:
-        self._file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
-        self._file.flush()
+        line = json.dumps({"event": event, "time": time.time(), **fields}) + "\n"
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line)
+                self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        with self._lock:
+            self._file.close()
 
 
 def read_events(path: Path) -> Iterator[dict]:

@@ -57,3 +57,25 @@ class OuterOptimizer:
     def load_into_model(self) -> None:
         for outer, p in zip(self.params, self.model.parameters()):
             p.copy_(outer.to(p.device, p.dtype), non_blocking=True)
+
+    @torch.no_grad()
+    def momentum_buffers(self) -> list[torch.Tensor]:
+        """Copies of the Nesterov buffers (zeros before the first step: the same update, bit for bit)."""
+        buffers = []
+        for p in self.params:
+            buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
+            buffers.append(torch.zeros_like(p) if buf is None else buf.clone())
+        return buffers
+
+    @torch.no_grad()
+    def load_state(self, params: list[torch.Tensor], buffers: list[torch.Tensor], epoch: int) -> None:
+        """Replace outer weights, momentum and epoch (a checkpoint or a peer's state), then the replica."""
+        if len(params) != len(self.params) or len(buffers) != len(self.params):
+            raise ValueError(f"expected {len(self.params)} tensors each, got {len(params)} and {len(buffers)}")
+        for mine, value, buf in zip(self.params, params, buffers):
+            if value.shape != mine.shape or buf.shape != mine.shape:
+                raise ValueError(f"shape mismatch: {tuple(value.shape)} / {tuple(buf.shape)} vs {tuple(mine.shape)}")
+            mine.copy_(value.to(torch.float32))
+            self.optimizer.state[mine]["momentum_buffer"] = buf.to(torch.float32).clone()
+        self.epoch = epoch
+        self.load_into_model()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
@@ -35,6 +35,8 @@ class ProgressRecord(BaseModel):  # pydantic v1: hivemind's SchemaValidator spea
     tokens: conint(ge=0, strict=True)
     ready: StrictBool
     """True once the peer finished the inner steps of ``epoch`` and waits for the round."""
+    state_hash: StrictStr = ""
+    """sha256 of the peer's outer weights at ``epoch``: peers that agree hold the same bytes."""
     time: StrictFloat
 
 
@@ -77,6 +79,8 @@ class ReadyDecision:
     """Peers with a live record, at any epoch."""
     waited: float
     reason: str
+    records: list[ProgressRecord] = field(default_factory=list)
+    """The live records the decision was made on (ours included)."""
 
 
 class SwarmProgress:
@@ -109,6 +113,11 @@ class SwarmProgress:
         if not ok:
             logger.debug("progress record was not stored by any DHT node (alone in the swarm?)")
 
+    async def swarm_records(self) -> list[ProgressRecord]:
+        """Live records of all peers, ours as it is now (not as the DHT last saw it)."""
+        records = await fetch_progress(self.dht, self.run_id)
+        return [r for r in records if r.peer_id != self.record.peer_id] + [self.record]
+
     def start_heartbeat(self) -> None:
         async def _beat():
             while True:
@@ -140,8 +149,7 @@ class SwarmProgress:
         while True:
             if should_stop():
                 return ReadyDecision(1, 1, time.monotonic() - started, "stopping")
-            records = await fetch_progress(self.dht, self.run_id)
-            records = [r for r in records if r.peer_id != self.record.peer_id] + [self.record]
+            records = await self.swarm_records()
             same_epoch = [r for r in records if r.epoch == self.record.epoch]
             ready = sum(r.ready for r in same_epoch)
             now = time.monotonic()
@@ -149,11 +157,11 @@ class SwarmProgress:
             if len(records) >= min_peers:
                 quorum_since = quorum_since if quorum_since is not None else now
                 if ready == len(same_epoch):
-                    return ReadyDecision(ready, len(records), waited, "all peers of this epoch are ready")
+                    return ReadyDecision(ready, len(records), waited, "all peers of this epoch are ready", records)
                 if now - quorum_since >= ready_timeout:
-                    return ReadyDecision(ready, len(records), waited, f"stragglers left behind after {ready_timeout:g}s")
+                    return ReadyDecision(ready, len(records), waited,
+                                         f"stragglers left behind after {ready_timeout:g}s", records)
             elif waited >= min_peers_timeout:
-                return ReadyDecision(
-                    ready, len(records), waited, f"only {len(records)} of min_peers={min_peers} after {waited:.0f}s"
-                )
+                return ReadyDecision(ready, len(records), waited,
+                                     f"only {len(records)} of min_peers={min_peers} after {waited:.0f}s", records)
             await asyncio.sleep(self.POLL_SECONDS)

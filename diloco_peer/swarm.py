@@ -7,8 +7,10 @@ enough. ``identity_path`` gives a stable peer id across restarts (the key file i
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
+import time
 
 from hivemind.dht import DHT
 from multiaddr import Multiaddr
@@ -22,6 +24,10 @@ EXAMPLE_ADDR = "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."
 
 class SwarmError(RuntimeError):
     """Cannot join or start the swarm; the message says why and what to do."""
+
+
+class BootstrapUnreachable(SwarmError):
+    """No bootstrap peer answered; retrying later may help."""
 
 
 def parse_multiaddr(text: str, *, need_peer_id: bool, what: str = "address") -> Multiaddr:
@@ -63,7 +69,7 @@ def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool =
     except Exception as e:
         message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         if initial_peers and "bootstrap" in message:
-            raise SwarmError(
+            raise BootstrapUnreachable(
                 f"could not reach any bootstrap peer of {', '.join(initial_peers)}: check the address "
                 f"(copy it from the bootstrap's output), that the node is running and that its port is open"
             ) from None
@@ -73,6 +79,27 @@ def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool =
                 f"process its own --identity file"
             ) from None
         raise SwarmError(f"could not start the DHT node: {message}") from None
+
+
+async def join_swarm(cfg: SwarmConfig, initial_peers: list[str], should_stop=lambda: False) -> DHT | None:
+    """Start the DHT; while no bootstrap is reachable, retry with backoff (2 s doubling to 60 s) for up to
+    ``cfg.join_timeout`` seconds. Returns None if ``should_stop()`` turns true while waiting."""
+    started, delay = time.monotonic(), 2.0
+    while True:
+        try:
+            return await asyncio.to_thread(start_dht, cfg, initial_peers)
+        except BootstrapUnreachable as e:
+            left = cfg.join_timeout - (time.monotonic() - started)
+            if left <= 0:
+                raise SwarmError(f"{e} (gave up after swarm.join_timeout={cfg.join_timeout:g}s)") from None
+            wait = min(delay, left)
+            logger.warning(f"{e}; retrying in {wait:.0f}s (up to swarm.join_timeout={cfg.join_timeout:g}s)")
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                if should_stop():
+                    return None
+                await asyncio.sleep(0.2)
+            delay = min(delay * 2, 60.0)
 
 
 def visible_addresses(dht: DHT) -> list[str]:

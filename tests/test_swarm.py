@@ -8,8 +8,8 @@ import time
 
 import pytest
 import torch
-from hivemind.dht import DHT
 from conftest import FAST, diloco_cmd, p2pd_pids
+from hivemind.dht import DHT
 
 from diloco_peer.config import load_config
 from diloco_peer.daemon import PeerDaemon

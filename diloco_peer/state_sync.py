@@ -1,0 +1,170 @@
+"""State sync: a peer that is behind or off the swarm's weights downloads the current state from a peer.
+
+Who needs it: a newcomer, a peer restarted from an old checkpoint, a straggler whose round went on
+without it, and a peer whose weights left the swarm's (a solo step while the others averaged, or a
+reducer that died mid-all-reduce and left its shard un-averaged). All are detected the same way, from
+the signed progress records: each peer publishes its outer ``epoch`` and ``state_hash`` (sha256 of its
+outer weights). The *target* is the highest epoch any live peer holds and, at that epoch, the hash most
+peers hold (ties: the smallest hash, so every peer picks the same one). A peer whose (epoch, hash)
+differs from the target syncs; peers holding the target serve it.
+
+What is transferred: outer weights and Nesterov momentum (fp32), the outer epoch and the inner
+LR-schedule position. The inner AdamW moments stay local (they describe this peer's own shard).
+
+Download: donors are the peers that hold the target, in random order (newcomers spread over donors
+instead of all hitting one); each chunk must arrive within ``averaging.sync_timeout`` or the next donor
+is tried, up to ``averaging.sync_attempts`` donors. A state is checked before it replaces ours: same
+config fingerprint, same tensor count and shapes, all values finite, not older than ours, and the
+sha256 of the received weights equals the hash the donor published. A donor failing any check is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .averaging_round import PseudoGradientAverager
+from .config import AveragingConfig
+from .model import param_sha256
+from .outer_optimizer import OuterOptimizer
+from .progress import ProgressRecord
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Target:
+    epoch: int
+    state_hash: str
+    holders: list[str]
+    """Peer ids that publish exactly this state."""
+
+
+def swarm_target(records: list[ProgressRecord]) -> Target | None:
+    """The state the swarm agrees on: the newest epoch, and the hash most of its peers hold."""
+    records = [r for r in records if r.state_hash]
+    if not records:
+        return None
+    epoch = max(r.epoch for r in records)
+    at_epoch = [r for r in records if r.epoch == epoch]
+    counts = collections.Counter(r.state_hash for r in at_epoch)
+    state_hash = min(counts, key=lambda h: (-counts[h], h))
+    return Target(epoch, state_hash, [r.peer_id for r in at_epoch if r.state_hash == state_hash])
+
+
+@dataclass
+class SyncResult:
+    ok: bool
+    donor: str = ""
+    epoch: int = -1
+    seconds: float = 0.0
+    bytes: int = 0
+    attempts: int = 0
+    error: str = ""
+
+
+class StateSync:
+    """Serves this peer's outer state to others and replaces it with a donor's when behind.
+
+    :param averager: the running averager (its p2p handlers serve and fetch states)
+    :param outer: the outer optimizer whose weights, momentum and epoch are the state
+    :param fingerprint: the config fingerprint a state must carry to be accepted
+    :param inner_steps: H, to turn an epoch into the inner LR-schedule position
+    :param cfg: the ``[averaging]`` section (sync_timeout, sync_attempts)
+    :param on_serve: called with (epoch, bytes) each time a peer downloads our state (any thread)
+    """
+
+    def __init__(self, averager: PseudoGradientAverager, outer: OuterOptimizer, fingerprint: str,
+                 inner_steps: int, cfg: AveragingConfig, on_serve=None):
+        self.averager, self.outer, self.fingerprint = averager, outer, fingerprint
+        self.inner_steps, self.cfg, self.on_serve = inner_steps, cfg, on_serve
+        self.lock = threading.Lock()
+        """Held while the outer state changes, so that a peer never downloads a half-updated state."""
+        self.state_hash = param_sha256(outer.params)
+        averager.state_provider = self._current_state
+
+    def after_outer_step(self) -> None:
+        """Call (under ``lock``) after the outer weights changed: refresh the published hash."""
+        self.state_hash = param_sha256(self.outer.params)
+
+    def _current_state(self):
+        # hivemind calls this in a thread of ours when a peer downloads our state
+        with self.lock:
+            metadata = {"epoch": self.outer.epoch, "inner_step": self.outer.epoch * self.inner_steps,
+                        "fingerprint": self.fingerprint, "state_hash": self.state_hash}
+            tensors = [p.detach().clone() for p in self.outer.params] + self.outer.momentum_buffers()
+        if self.on_serve is not None:
+            self.on_serve(metadata["epoch"], sum(t.numel() * t.element_size() for t in tensors))
+        return metadata, tensors
+
+    def needs_sync(self, target: Target | None) -> str:
+        """Why we must sync to ``target`` ("" if we hold it or nobody else does)."""
+        if target is None:
+            return ""
+        if target.epoch > self.outer.epoch:
+            return f"the swarm is at epoch {target.epoch}, we are at {self.outer.epoch}"
+        if target.epoch == self.outer.epoch and target.state_hash != self.state_hash:
+            return f"our weights at epoch {self.outer.epoch} differ from the swarm's ({len(target.holders)} peers)"
+        return ""
+
+    def _check(self, metadata, tensors: list[torch.Tensor], target: Target) -> str:
+        n = len(self.outer.params)
+        if not isinstance(metadata, dict) or metadata.get("fingerprint") != self.fingerprint:
+            return "its config fingerprint differs from ours (another model or run)"
+        if metadata.get("epoch") != target.epoch or target.epoch < self.outer.epoch:
+            return f"it sent epoch {metadata.get('epoch')}, expected {target.epoch} (>= ours, {self.outer.epoch})"
+        if len(tensors) != 2 * n:
+            return f"it sent {len(tensors)} tensors, expected {2 * n}"
+        for mine, theirs in zip(self.outer.params * 2, tensors):
+            if theirs.shape != mine.shape or theirs.dtype != torch.float32:
+                return f"a tensor has shape {tuple(theirs.shape)} {theirs.dtype}, expected {tuple(mine.shape)} float32"
+            if not torch.isfinite(theirs).all():
+                return "it sent non-finite values"
+        if param_sha256(tensors[:n]) != target.state_hash:
+            return "the weights it sent do not match the hash it published"
+        return ""
+
+    async def sync(self, target: Target) -> SyncResult:
+        """Download ``target`` from one of its holders and make it ours; never raises."""
+        started = time.perf_counter()
+        me = self.averager.peer_id.to_base58()
+        donors = [p for p in target.holders if p != me]
+        random.shuffle(donors)
+        result = SyncResult(ok=False)
+        self.averager.allow_state_sharing = False  # nobody should download from us while we are behind
+        try:
+            for donor in donors[: self.cfg.sync_attempts]:
+                result.attempts += 1
+                try:
+                    metadata, tensors, received = await asyncio.to_thread(
+                        self.averager.download_state_from, donor, self.cfg.sync_timeout)
+                except Exception as e:
+                    result.error = f"donor {donor[-8:]}: {e}"
+                    logger.warning(f"state sync: {result.error}; trying another donor")
+                    continue
+                result.bytes += received
+                problem = await asyncio.to_thread(self._check, metadata, tensors, target)
+                if problem:
+                    result.error = f"donor {donor[-8:]} rejected: {problem}"
+                    logger.warning(f"state sync: {result.error}")
+                    continue
+                n = len(self.outer.params)
+                with self.lock:
+                    await asyncio.to_thread(self.outer.load_state, tensors[:n], tensors[n:], target.epoch)
+                    self.state_hash = target.state_hash
+                result.ok, result.donor, result.epoch = True, donor, target.epoch
+                break
+            else:
+                if not donors:
+                    result.error = "no peer holds the swarm's state"
+        finally:
+            self.averager.allow_state_sharing = True
+            result.seconds = time.perf_counter() - started
+        return result
