@@ -40,6 +40,7 @@ from .events import EventLog
 from .model import build_model, num_parameters
 from .outer_optimizer import OuterOptimizer
 from .progress import SwarmProgress
+from .reaper import Reaper
 from .state_sync import StateSync, swarm_target
 from .swarm import join_swarm, visible_addresses
 from .trainer import Trainer
@@ -92,9 +93,21 @@ class PeerDaemon:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
 
+        reaper = Reaper()  # if we are SIGKILLed, our children (DHT, averager, p2pd) must not live on
+        try:
+            return await self._run(reaper)
+        finally:
+            reaper.close()
+
+    def _watch_children(self, reaper: Reaper) -> None:
+        reaper.watch([c.pid for c in psutil.Process().children(recursive=True) if c.pid != reaper.proc.pid])
+
+    async def _run(self, reaper: Reaper) -> int:
+        cfg = self.cfg
         dht = await join_swarm(cfg.swarm, self.initial_peers, should_stop=lambda: self.stopping)
         if dht is None:
             return 0  # asked to leave while still waiting for a bootstrap
+        self._watch_children(reaper)
         averager = progress = checkpoints = events = None
         try:
             peer_id = dht.peer_id.to_base58()
@@ -115,6 +128,7 @@ class PeerDaemon:
                     logger.info(f"resumed from {resumed_from}: epoch {outer.epoch}, inner step {trainer.step}")
                 checkpoints = manager
             averager = RoundAverager(dht, [p.shape for p in outer.params], cfg.run.run_id, cfg.averaging)
+            self._watch_children(reaper)
             sync = self.sync = StateSync(averager.averager, outer, cfg.fingerprint(), cfg.outer.inner_steps,
                                          cfg.averaging, on_serve=lambda epoch, size: events.write(
                                              "serve", peer=self.name, epoch=epoch, bytes=size))

@@ -138,6 +138,9 @@ class StateSync:
         donors = [p for p in target.holders if p != me]
         random.shuffle(donors)
         result = SyncResult(ok=False)
+        if target.epoch < self.outer.epoch:
+            result.error = f"refusing the state of epoch {target.epoch}: older than ours ({self.outer.epoch})"
+            return result
         self.averager.allow_state_sharing = False  # nobody should download from us while we are behind
         try:
             for donor in donors[: self.cfg.sync_attempts]:

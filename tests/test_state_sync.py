@@ -1,0 +1,140 @@
+"""State sync: choosing the swarm's state, downloading it from real peers, refusing bad or stale donors."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+from hivemind.dht import DHT
+
+from diloco_peer.averaging_round import RoundAverager
+from diloco_peer.config import load_config
+from diloco_peer.model import build_model, param_sha256
+from diloco_peer.outer_optimizer import OuterOptimizer
+from diloco_peer.progress import ProgressRecord
+from diloco_peer.state_sync import StateSync, Target, swarm_target
+
+SETS = ["averaging.sync_timeout=3.0", "averaging.matchmaking_time=2.0", "averaging.request_timeout=1.0"]
+
+
+def _record(peer, epoch, state_hash):
+    return ProgressRecord(peer_id=peer, epoch=epoch, inner_step=0, tokens=0, ready=False, state_hash=state_hash,
+                          time=time.time())
+
+
+def test_target_is_the_newest_epoch_and_the_majority_hash():
+    assert swarm_target([]) is None
+    records = [_record("a", 3, "h1"), _record("b", 3, "h2"), _record("c", 3, "h2"), _record("d", 2, "h0"),
+               _record("e", 1, "")]
+    assert swarm_target(records) == Target(3, "h2", ["b", "c"])
+    # a tie is broken the same way on every peer: the smallest hash
+    assert swarm_target([_record("a", 5, "ff"), _record("b", 5, "0a")]) == Target(5, "0a", ["b"])
+    assert swarm_target([_record("a", 4, "x"), _record("b", 9, "y")]).epoch == 9
+
+
+class _Peer:
+    """A DHT + averager + outer optimizer: everything state sync touches, in this process."""
+
+    def __init__(self, cfg, initial_peers=(), seed_offset=0, fingerprint=None):
+        self.dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers))
+        model = build_model(cfg.model, cfg.run.seed + seed_offset)
+        self.outer = OuterOptimizer(model, cfg.outer)
+        self.averager = RoundAverager(self.dht, [p.shape for p in self.outer.params], cfg.run.run_id, cfg.averaging)
+        self.served = []
+        self.sync = StateSync(self.averager.averager, self.outer, fingerprint or cfg.fingerprint(),
+                              cfg.outer.inner_steps, cfg.averaging, on_serve=lambda e, n: self.served.append((e, n)))
+        self.id = self.dht.peer_id.to_base58()
+
+    def advance(self, rounds):
+        for _ in range(rounds):
+            with torch.no_grad():
+                for p in self.outer.model.parameters():
+                    p.add_(torch.randn_like(p) * 0.01)
+            with self.sync.lock:
+                self.outer.step(self.outer.pseudo_gradient())
+                self.sync.after_outer_step()
+
+    def target(self):
+        return Target(self.outer.epoch, self.sync.state_hash, [self.id])
+
+    def close(self):
+        self.averager.shutdown()
+        self.dht.shutdown()
+
+
+@pytest.fixture
+def peers():
+    cfg = load_config(None, SETS)
+    made = []
+
+    def make(**kwargs):
+        peer = _Peer(cfg, [str(a) for a in made[0].dht.get_visible_maddrs()] if made else [], **kwargs)
+        made.append(peer)
+        return peer
+
+    yield make
+    for peer in made:
+        peer.close()
+
+
+def test_newcomer_downloads_weights_momentum_and_epoch(peers):
+    donor, newcomer = peers(), peers()
+    donor.advance(3)
+    result = asyncio.run(newcomer.sync.sync(donor.target()))
+    assert result.ok, result.error
+    assert (result.epoch, newcomer.outer.epoch, result.donor) == (3, 3, donor.id)
+    assert param_sha256(newcomer.outer.params) == param_sha256(donor.outer.params) == newcomer.sync.state_hash
+    assert param_sha256(newcomer.outer.momentum_buffers()) == param_sha256(donor.outer.momentum_buffers())
+    assert param_sha256(newcomer.outer.model.parameters()) == param_sha256(donor.outer.params)  # the replica too
+    payload = 2 * sum(p.numel() * 4 for p in donor.outer.params)
+    assert payload <= result.bytes < payload * 1.05 and donor.served == [(3, payload)]
+    # after the same outer step with the same update, both stay bit-identical (momentum came along)
+    update = [torch.randn_like(p) for p in donor.outer.params]
+    donor.outer.step(update)
+    newcomer.outer.step(update)
+    assert param_sha256(newcomer.outer.params) == param_sha256(donor.outer.params)
+
+
+def test_bad_donors_are_skipped_and_the_next_one_tried(peers):
+    good, declining, newcomer = peers(), peers(), peers()
+    good.advance(2)
+    declining.advance(2)
+    declining.averager.averager.allow_state_sharing = False
+    target = Target(2, good.sync.state_hash, [declining.id, good.id])
+    for _ in range(5):  # donors are shuffled: whatever the order, the good one ends up used
+        newcomer.outer.epoch = 0
+        result = asyncio.run(newcomer.sync.sync(target))
+        assert result.ok and result.donor == good.id and result.attempts in (1, 2), result
+    assert param_sha256(newcomer.outer.params) == param_sha256(good.outer.params)
+
+
+def test_states_that_fail_the_checks_are_refused(peers):
+    donor, newcomer = peers(), peers()
+    foreign = peers(fingerprint="another-model")
+    donor.advance(2)
+    before = param_sha256(newcomer.outer.params)
+
+    lying = Target(2, "0" * 64, [donor.id])  # the published hash does not match what is sent
+    result = asyncio.run(newcomer.sync.sync(lying))
+    assert not result.ok and "do not match the hash" in result.error
+
+    newcomer.outer.epoch = 5  # the donor's state is older than ours
+    result = asyncio.run(newcomer.sync.sync(donor.target()))
+    assert not result.ok and "older than ours (5)" in result.error and result.bytes == 0
+
+    foreign.advance(2)
+    newcomer.outer.epoch = 0
+    result = asyncio.run(newcomer.sync.sync(foreign.target()))
+    assert not result.ok and "fingerprint" in result.error
+    assert param_sha256(newcomer.outer.params) == before, "a refused state must leave ours untouched"
+
+    result = asyncio.run(newcomer.sync.sync(Target(2, "x", [newcomer.id])))
+    assert not result.ok and result.error == "no peer holds the swarm's state"
+
+
+def test_needs_sync_says_why(peers):
+    me = peers()
+    assert me.sync.needs_sync(None) == ""
+    assert me.sync.needs_sync(me.target()) == ""
+    assert "the swarm is at epoch 4, we are at 0" in me.sync.needs_sync(Target(4, "h", ["x"]))
+    assert "differ from the swarm's (2 peers)" in me.sync.needs_sync(Target(0, "h", ["x", "y"]))
