@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +39,10 @@ from hivemind.utils.streaming import combine_from_streaming
 from .config import AveragingConfig
 
 _SENT, _RECEIVED, _FAILED_VALUES = 0, 1, 2
+FAULT_ENV = "DILOCO_PEER_FAULT"
+"""Fault injection, for the churn tests only: ``crash_in_allreduce:N`` makes the peer die (SIGKILL, its
+main process too) in the middle of its N-th all-reduce, as a reducer that has received a first part
+and answered nobody yet: the worst moment for the others."""
 CODECS = {"none": NoCompression, "fp16": Float16Compression}
 
 
@@ -63,8 +69,9 @@ class _CountingStub:
 class _ExactAllReduceRunner(AllReduceRunner):
     """An AllReduceRunner whose reducers return averages instead of deltas (see the module docstring)."""
 
-    def __init__(self, *, traffic: torch.Tensor, **kwargs):
+    def __init__(self, *, traffic: torch.Tensor, crash: bool = False, **kwargs):
         super().__init__(**kwargs)
+        self._crash = crash
         # outputs are averages now: a failed reducer's part must fall back to our own values, not to zeros
         self.tensor_part_container.return_deltas = False
         self._traffic = traffic
@@ -106,6 +113,9 @@ class _ExactAllReduceRunner(AllReduceRunner):
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
+                if self._crash:
+                    os.kill(os.getppid(), signal.SIGKILL)  # the daemon; its reaper takes the DHT and p2pd along
+                    os.kill(os.getpid(), signal.SIGKILL)
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight)
                     part_index += 1
@@ -129,6 +139,9 @@ class PseudoGradientAverager(DecentralizedAverager):
     def __init__(self, averaged_tensors, dht: DHT, **kwargs):
         self.traffic = torch.zeros(3, dtype=torch.int64).share_memory_()
         self.state_provider = None
+        fault = os.environ.get(FAULT_ENV, "")
+        self._crash_in_allreduce = int(fault.split(":")[1]) if fault.startswith("crash_in_allreduce:") else 0
+        self._allreduces = 0
         super().__init__(averaged_tensors, dht, **kwargs)
 
     def get_current_state(self):
@@ -167,8 +180,10 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
+        self._allreduces += 1
         runner = _ExactAllReduceRunner(
             traffic=self.traffic,
+            crash=self._allreduces == self._crash_in_allreduce,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,

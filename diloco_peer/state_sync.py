@@ -111,7 +111,9 @@ class StateSync:
         if target.epoch > self.outer.epoch:
             return f"the swarm is at epoch {target.epoch}, we are at {self.outer.epoch}"
         if target.epoch == self.outer.epoch and target.state_hash != self.state_hash:
-            return f"our weights at epoch {self.outer.epoch} differ from the swarm's ({len(target.holders)} peers)"
+            holders = len(target.holders)
+            return (f"our weights at epoch {self.outer.epoch} differ from the swarm's "
+                    f"(held by {holders} peer{'s' if holders > 1 else ''})")
         return ""
 
     def _check(self, metadata, tensors: list[torch.Tensor], target: Target) -> str:

@@ -58,10 +58,10 @@ class LocalSwarm:
         self.procs: list[subprocess.Popen] = []
         self.address = ""
 
-    def spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+    def spawn(self, args: list[str], log_name: str, env: dict | None = None) -> subprocess.Popen:
         with (self.workdir / log_name).open("w") as log:
             proc = subprocess.Popen(diloco_cmd(*args), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    cwd=self.workdir)
+                                    cwd=self.workdir, env={**os.environ, **(env or {})})
         self.procs.append(proc)
         return proc
 
@@ -71,11 +71,11 @@ class LocalSwarm:
         self.address = wait_for_line(self.workdir / "bootstrap.log", "diloco-peer join ", proc).split()[2]
         return self.address
 
-    def start_peer(self, name: str, *sets: str) -> subprocess.Popen:
+    def start_peer(self, name: str, *sets: str, env: dict | None = None) -> subprocess.Popen:
         cmd = ["join", self.address, "--name", name]
         for item in [*FAST, f"run.log_dir={json.dumps(str(self.workdir))}", *sets]:
             cmd += ["--set", item]
-        return self.spawn(cmd, f"{name}.log")
+        return self.spawn(cmd, f"{name}.log", env)
 
     def events(self, name: str) -> list[dict]:
         from diloco_peer.events import read_events

@@ -137,4 +137,4 @@ def test_needs_sync_says_why(peers):
     assert me.sync.needs_sync(None) == ""
     assert me.sync.needs_sync(me.target()) == ""
     assert "the swarm is at epoch 4, we are at 0" in me.sync.needs_sync(Target(4, "h", ["x"]))
-    assert "differ from the swarm's (2 peers)" in me.sync.needs_sync(Target(0, "h", ["x", "y"]))
+    assert "differ from the swarm's (held by 2 peers)" in me.sync.needs_sync(Target(0, "h", ["x", "y"]))

@@ -1,0 +1,159 @@
+"""Churn with real processes: peers are killed, leave and join at chosen moments; the swarm heals.
+
+The moments are chosen from the peers' own event logs (a ``progress`` event is mid inner steps, an
+``averaging`` event is the start of matchmaking + all-reduce, a ``round`` event is followed at once by
+the background checkpoint write), so the schedule is the same on every run, however slow the machine.
+"""
+
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from conftest import FAST, p2pd_pids
+
+from diloco_peer.averaging_round import FAULT_ENV
+from diloco_peer.checkpoint import load_file
+from diloco_peer.config import load_config
+
+pytestmark = pytest.mark.slow
+
+CHURN = ["outer.inner_steps=30", "averaging.allreduce_timeout=8.0", "averaging.ready_timeout=8.0",
+         "averaging.sync_timeout=5.0", "checkpoint.dir=checkpoints", "run.shutdown_grace=20.0"]
+
+
+def _wait_for(swarm, name, predicate, what, timeout=240):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for event in swarm.events(name):
+            if predicate(event):
+                return event
+        time.sleep(0.1)
+    raise AssertionError(f"{name}: no {what} within {timeout}s; last events: {swarm.events(name)[-3:]}")
+
+
+def _children(pid):
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _rounds(swarm, name):
+    return [e for e in swarm.events(name) if e["event"] == "round"]
+
+
+def test_chaos_kills_leaves_and_joins_the_survivors_end_identical(local_swarm):
+    before = p2pd_pids()
+    local_swarm.start_bootstrap()
+    # p3 will die as a reducer in the middle of its third all-reduce (round 3), the worst moment for the others
+    faults = {"p3": {FAULT_ENV: "crash_in_allreduce:3"}}
+    procs = {f"p{i}": local_swarm.start_peer(f"p{i}", *CHURN, "averaging.min_peers=5", env=faults.get(f"p{i}"))
+             for i in range(5)}
+    doomed_children = [*_children(procs["p3"].pid)]
+
+    def crash(name):  # SIGKILL of the main process only, as the OOM killer would do it
+        doomed_children.extend(_children(procs[name].pid))
+        procs[name].send_signal(signal.SIGKILL)
+
+    # a newcomer starts after round 1 (it needs a while to start on this busy machine)
+    _wait_for(local_swarm, "p0", lambda e: e["event"] == "round" and e["round"] == 1, "round 1")
+    procs["p5"] = local_swarm.start_peer("p5", *CHURN)
+    # p4 crashes in the middle of the inner steps of round 2
+    _wait_for(local_swarm, "p4", lambda e: e["event"] == "progress" and e["epoch"] == 1, "round-2 inner steps")
+    crash("p4")
+    # p3 crashes mid-all-reduce in round 3: the survivors' round-3 replicas differ on its shard
+    # (or the round fails) and they re-sync at once, so that they are identical again by round 4
+    assert procs["p3"].wait(timeout=240) == -signal.SIGKILL
+    round3 = {n: _wait_for(local_swarm, n, lambda e: e["event"] == "round" and e["round"] == 3, "round 3")
+              for n in ("p0", "p1", "p2")}
+    assert any(e["values_not_averaged"] > 0 or e["outcome"] == "failed" for e in round3.values()), round3
+    # once the newcomer has contributed: p2 leaves gracefully, then p1 is killed right after a round,
+    # while its background checkpoint write runs, and restarts with the same name
+    first = _wait_for(local_swarm, "p5", lambda e: e["event"] == "round" and e["outcome"] == "averaged",
+                      "a first contribution")
+    procs["p2"].send_signal(signal.SIGTERM)
+    term_sent = time.monotonic()
+    n = _wait_for(local_swarm, "p1", lambda e: e["event"] == "round" and e["round"] > first["round"],
+                  "a round")["round"]
+    crash("p1")
+    assert procs["p2"].wait(timeout=30) == 0, "a graceful leave must exit 0"
+    assert time.monotonic() - term_sent < 30
+    procs["p1"].wait()
+    procs["p1"] = local_swarm.start_peer("p1", *CHURN)
+    # the restarted peer is back in when it averages in a round with all three survivors
+    last = _wait_for(local_swarm, "p1", lambda e: e["event"] == "round" and e["round"] > n and e["group_size"] == 3,
+                     "an averaged round with the survivors")["round"]
+    _wait_for(local_swarm, "p0", lambda e: e["event"] == "round" and e["round"] == last, f"round {last}")
+    _wait_for(local_swarm, "p5", lambda e: e["event"] == "round" and e["round"] == last, f"round {last}")
+    for name in ("p0", "p1", "p5"):
+        procs[name].send_signal(signal.SIGTERM)
+    for name in ("p0", "p1", "p5"):
+        code = procs[name].wait(timeout=40)
+        assert code == 0, f"{name} exited {code}: {(local_swarm.workdir / f'{name}.log').read_text()[-3000:]}"
+
+    # survivors are bit-identical after that round: the newcomer and the restarted peer included
+    at_last = {name: next(e for e in _rounds(local_swarm, name) if e["round"] == last) for name in ("p0", "p1", "p5")}
+    assert len({e["param_sha256"] for e in at_last.values()}) == 1, at_last
+    assert all(e["outcome"] == "averaged" and e["group_size"] == 3 for e in at_last.values()), at_last
+    # p0 lived through everything: a round every epoch, (almost) all averaged; a round that failed because
+    # a peer died in it was healed by a state sync at once, never left diverged
+    round4 = {n: next(e for e in _rounds(local_swarm, n) if e["round"] == 4) for n in ("p0", "p1", "p2")}
+    assert len({e["param_sha256"] for e in round4.values()}) == 1, round4
+    p0_rounds = [e for e in _rounds(local_swarm, "p0") if e["round"] <= last]
+    assert [e["round"] for e in p0_rounds] == list(range(1, last + 1)), p0_rounds
+    assert sum(e["outcome"] == "averaged" for e in p0_rounds) >= last - 2, p0_rounds
+    assert all(e["ok"] for e in local_swarm.events("p0") if e["event"] == "sync")
+    # loss went down through the churn
+    start = next(e for e in local_swarm.events("p0") if e["event"] == "start")
+    assert at_last["p0"]["eval_loss"] < start["eval_loss"] - 1.0
+    # the newcomer and the restarted peer caught up by state sync, the restarted one from its checkpoint
+    for name in ("p5", "p1"):
+        syncs = [e for e in local_swarm.events(name) if e["event"] == "sync" and e["ok"]]
+        assert syncs and syncs[0]["bytes"] > 0, f"{name} never synced"
+    assert 0 < first["first_contribution_seconds"] < 120
+    p1_starts = [e for e in local_swarm.events("p1") if e["event"] == "start"]
+    assert len(p1_starts) == 2 and p1_starts[1]["resumed_from"] and p1_starts[1]["epoch"] >= n - 1
+    # every graceful leaver wrote its checkpoint and said goodbye
+    for name in ("p0", "p1", "p2", "p5"):
+        events = local_swarm.events(name)
+        stop = [e for e in events if e["event"] == "stop"]
+        assert len(stop) == 1 and stop[0]["reason"] == "signal", events[-3:]
+        assert any(e["event"] == "checkpoint" and e["epoch"] == stop[0]["epoch"] for e in events)
+    # every checkpoint on disk loads
+    fingerprint = load_config(None, []).fingerprint()
+    checkpoint_files = list((local_swarm.workdir / "checkpoints").rglob("*.pt"))
+    assert len(checkpoint_files) >= 10
+    for path in checkpoint_files:
+        assert load_file(path, fingerprint).epoch == int(path.stem.split("-")[1])
+    assert not list((local_swarm.workdir / "checkpoints").rglob("*.tmp"))
+    # no orphans: the killed peers' DHT, averager and p2pd processes died with them
+    time.sleep(1.5)
+    assert not [c for c in doomed_children if c.is_running() and c.status() != "zombie"]
+    assert p2pd_pids() - before <= {pid for pid in p2pd_pids() if _is_bootstrap_child(local_swarm, pid)}
+
+
+def _is_bootstrap_child(swarm, pid):
+    boot = swarm.procs[0]
+    return boot.poll() is None and pid in {c.pid for c in _children(boot.pid)}
+
+
+def test_bootstrap_down_mid_run_and_a_dead_bootstrap_address_do_not_matter(local_swarm):
+    address = local_swarm.start_bootstrap()
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # nobody listens there
+    procs = []
+    for i in range(2):
+        cmd = ["join", dead, address, "--name", f"p{i}"]
+        for item in [*FAST, f"run.log_dir={json.dumps(str(local_swarm.workdir))}", "run.max_rounds=4",
+                     "averaging.min_peers=2"]:
+            cmd += ["--set", item]
+        procs.append(local_swarm.spawn(cmd, f"p{i}.log"))
+    _wait_for(local_swarm, "p0", lambda e: e["event"] == "round" and e["round"] == 1, "round 1")
+    os.killpg(local_swarm.procs[0].pid, signal.SIGKILL)  # the bootstrap node and its p2pd vanish
+    for proc in procs:
+        assert proc.wait(timeout=200) == 0
+    rounds = [e for e in local_swarm.events("p0") if e["event"] == "round"]
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4]
+    assert all(r["outcome"] == "averaged" and r["group_size"] == 2 for r in rounds), rounds
+    last = {[e for e in local_swarm.events(n) if e["event"] == "round"][-1]["param_sha256"] for n in ("p0", "p1")}
+    assert len(last) == 1
+
