@@ -1,8 +1,11 @@
 """The command line against real subprocesses: bad input gets one line and a non-zero exit; the
 bootstrap prints a pasteable join line and keeps its identity across restarts."""
 
+import json
 import re
+import socket
 import subprocess
+import time
 
 import pytest
 from conftest import diloco_cmd, p2pd_pids, wait_for_line
@@ -45,7 +48,7 @@ def test_unknown_command_is_usage_error():
 
 def test_unreachable_bootstrap_names_the_address():
     before = p2pd_pids()
-    result = run_cli("join", GOOD_ADDR, "--set", "swarm.startup_timeout=10")
+    result = run_cli("join", GOOD_ADDR, "--set", "swarm.startup_timeout=10", "--set", "swarm.join_timeout=0")
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and GOOD_ADDR in lines[0] and "could not reach" in lines[0]
@@ -65,3 +68,36 @@ def test_bootstrap_prints_join_line_and_keeps_identity(local_swarm):
         proc.terminate()
         assert proc.wait(timeout=20) == 0
     assert key.exists() and peer_ids[0] == peer_ids[1]
+
+
+def test_unreachable_bootstrap_is_retried_with_backoff_then_given_up():
+    started = time.monotonic()
+    result = run_cli("join", GOOD_ADDR, "--set", "swarm.join_timeout=5")
+    assert result.returncode == 1
+    assert len(re.findall(r"retrying in \d+s", result.stdout)) >= 2, result.stdout
+    assert "gave up after swarm.join_timeout=5s" in result.stderr and GOOD_ADDR in result.stderr
+    assert 5 <= time.monotonic() - started < 50
+
+
+def test_a_peer_started_before_its_bootstrap_joins_once_it_is_up(local_swarm):
+    """Bootstrap down at start: the peer keeps retrying and trains as soon as the bootstrap comes up."""
+    key = local_swarm.workdir / "boot.key"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    listen = ["bootstrap", "--identity", str(key), "--listen", f"/ip4/127.0.0.1/tcp/{port}"]
+    boot = local_swarm.spawn(listen, "boot0.log")  # first run: creates the identity, tells us the address
+    address = wait_for_line(local_swarm.workdir / "boot0.log", "diloco-peer join ", boot).split()[2]
+    boot.terminate()
+    assert boot.wait(timeout=20) == 0
+
+    local_swarm.address = address
+    peer = local_swarm.start_peer("early", "swarm.join_timeout=120", "averaging.min_peers=1", "run.max_rounds=1")
+    deadline = time.monotonic() + 60
+    while "retrying in" not in (local_swarm.workdir / "early.log").read_text():
+        assert time.monotonic() < deadline and peer.poll() is None
+        time.sleep(0.2)
+    boot = local_swarm.spawn(listen, "boot1.log")
+    assert peer.wait(timeout=120) == 0, (local_swarm.workdir / "early.log").read_text()
+    rounds = [json.loads(line) for line in (local_swarm.workdir / "early.jsonl").read_text().splitlines()]
+    assert [e["round"] for e in rounds if e["event"] == "round"] == [1]
