@@ -2,7 +2,7 @@
 
     diloco-peer bootstrap --identity ./boot.key --listen /ip4/0.0.0.0/tcp/31337
     diloco-peer join /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW... [--config tiny-cpu] [--set inner.lr=3e-4 ...]
-    diloco-peer demo --peers 3 --rounds 5 [--config tiny-cpu] [--summary-json out.json]
+    diloco-peer demo --peers 3 --rounds 5 [--config tiny-cpu] [--summary-json out.json] [--churn kill:1@round2]
 
 Exit codes: 0 ok, 1 runtime failure (e.g. no bootstrap reachable), 2 bad input (CLI, config, address).
 """
@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo", metavar="DIR",
                       help="directory for logs, the summary and the loss plot (default runs/demo)")
     demo.add_argument("--summary-json", default=None, metavar="FILE", help="also write the summary JSON here")
+    demo.add_argument("--churn", default="", metavar="SCHEDULE",
+                      help='kill, stop and add peers during the run, e.g. "kill:2@round2,join:1@round3,term:1@round4" '
+                           "(an item fires when round R begins averaging)")
     demo.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
                       help="give up if the swarm has not finished after this long (default 900)")
     return parser

@@ -21,8 +21,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .churn import ChurnAction, due, effects, parse_churn
 from .config import load_config
-from .events import EventFollower
+from .events import EventFollower, read_events
 from .report import format_table, plot_losses, summarize
 
 POLL_SECONDS = 0.5
@@ -60,23 +61,29 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 class _Progress:
-    """A tqdm bar on a terminal; plain lines, one per finished round, when output goes to a file."""
+    """A tqdm bar on a terminal; plain lines, one per finished round, when output goes to a file.
+
+    A round's line is printed once as many peers reported it as are running (with churn, a peer that
+    joins or leaves mid-round may leave a round without its line; the final table has them all)."""
 
     def __init__(self, peers: int, rounds: int):
         self.peers, self.rounds = peers, rounds
         self.bar = tqdm(total=peers * rounds, unit="round", desc="swarm", disable=not sys.stderr.isatty())
         self.seen: dict[int, list[dict]] = {}
 
-    def update(self, new_rounds: list[dict]) -> None:
+    def update(self, new_rounds: list[dict], live: int) -> None:
         for r in new_rounds:
             self.seen.setdefault(r["round"], []).append(r)
             self.bar.update(1)
             self.bar.set_postfix(round=r["round"], eval_loss=f"{r['eval_loss']:.3f}", group=r["group_size"])
             rows = self.seen[r["round"]]
-            if self.bar.disable and len(rows) == self.peers:
+            if self.bar.disable and len(rows) == max(live, 1):
                 averaged = sum(x["outcome"] == "averaged" for x in rows)
-                print(f"round {r['round']}/{self.rounds}: {averaged}/{self.peers} peers averaged, groups "
+                print(f"round {r['round']}/{self.rounds}: {averaged}/{len(rows)} peers averaged, groups "
                       f"{sorted({x['group_size'] for x in rows})}, eval loss {r['eval_loss']:.4f}", flush=True)
+
+    def note(self, line: str) -> None:
+        self.bar.write(line) if not self.bar.disable else print(line, flush=True)
 
     def close(self) -> None:
         self.bar.close()
@@ -87,6 +94,7 @@ def run_demo(args) -> int:
         print(f"diloco-peer: error: --peers ({args.peers}) and --rounds ({args.rounds}) must be >= 1", file=sys.stderr)
         return 2
     cfg = load_config(args.config, args.overrides)
+    actions = parse_churn(args.churn or "", args.peers, args.rounds)
     out = Path(args.out)
     if out.exists():
         for old in [*out.glob("*.jsonl"), *out.glob("*.log"), *out.glob("*.key")]:
@@ -97,7 +105,8 @@ def run_demo(args) -> int:
     started = time.monotonic()
     boot_log = out / "bootstrap.log"
     procs: dict[str, subprocess.Popen] = {}
-    logs = {f"peer-{i}": out / f"peer-{i}.jsonl" for i in range(args.peers)}
+    logs: dict[str, Path] = {}
+    removed: set[str] = set()  # peers the churn schedule killed or stopped
     print(f"demo: 1 bootstrap + {args.peers} peers, {args.rounds} outer rounds of H={cfg.outer.inner_steps} inner "
           f"steps, config {args.config or 'tiny-cpu'}; logs in {out}/", flush=True)
     with boot_log.open("w") as boot_out:
@@ -106,33 +115,70 @@ def run_demo(args) -> int:
                         "--report-every", "10"),
             stdout=boot_out, stderr=subprocess.STDOUT,
         )
+
+    def start_peer(index: int) -> None:
+        name = f"peer-{index}"
+        # one shard per peer: each reads 1/N of the corpus rather than 1/64th of it
+        sets = [f"data.num_shards={args.peers}", f"data.shard={index % args.peers}", f"run.threads={threads}",
+                f"averaging.min_peers={args.peers}", *args.overrides,
+                f"run.max_rounds={args.rounds}", f"run.log_dir={json.dumps(str(out))}",
+                f"checkpoint.dir={json.dumps(str(out / 'checkpoints'))}"]
+        cmd = _python_cmd("join", address, "--name", name, *(["--config", args.config] if args.config else []))
+        for item in sets:
+            cmd += ["--set", item]
+        with (out / f"{name}.log").open("w") as peer_out:
+            procs[name] = subprocess.Popen(cmd, stdout=peer_out, stderr=subprocess.STDOUT)
+        logs[name] = out / f"{name}.jsonl"
+        followers.append(EventFollower(logs[name]))
+
+    def fire(action: ChurnAction) -> None:
+        action.fired_seconds = time.monotonic() - started
+        if action.action == "join":
+            for _ in range(action.count):
+                start_peer(len(procs))
+                action.peers.append(f"peer-{len(procs) - 1}")
+        else:
+            # the highest-numbered running peers of those started at the beginning and already training
+            # (joiners only when no such peer is left: removing a newcomer shows nothing)
+            running = [n for n in procs if n not in removed and procs[n].poll() is None]
+            ranked = sorted(running, key=lambda n: (int(n.split("-")[1]) < args.peers, n in contributed,
+                                                    int(n.split("-")[1])))
+            action.peers = ranked[-action.count:]
+            for name in action.peers:
+                procs[name].send_signal(signal.SIGKILL if action.action == "kill" else signal.SIGTERM)
+                removed.add(name)
+        progress.note(f"churn {action.spec}: {action.action} {', '.join(action.peers)}")
+
+    followers: list[EventFollower] = []
+    averaging_epochs: set[int] = set()
+    contributed: set[str] = set()
     try:
         address = _wait_for_join_line(boot_log, bootstrap)
         print(f"demo: bootstrap node at {address}", flush=True)
-        for i, name in enumerate(logs):
-            # one shard per peer: each reads 1/N of the corpus rather than 1/64th of it
-            sets = [f"data.num_shards={args.peers}", f"data.shard={i}", f"run.threads={threads}",
-                    f"averaging.min_peers={args.peers}", *args.overrides,
-                    f"run.max_rounds={args.rounds}", f"run.log_dir={json.dumps(str(out))}",
-                    f"checkpoint.dir={json.dumps(str(out / 'checkpoints'))}"]
-            cmd = _python_cmd("join", address, "--name", name, *(["--config", args.config] if args.config else []))
-            for item in sets:
-                cmd += ["--set", item]
-            with (out / f"{name}.log").open("w") as peer_out:
-                procs[name] = subprocess.Popen(cmd, stdout=peer_out, stderr=subprocess.STDOUT)
+        for i in range(args.peers):
+            start_peer(i)
         progress = _Progress(args.peers, args.rounds)
-        followers = [EventFollower(path) for path in logs.values()]
         while True:
-            for follower in followers:
-                progress.update([e for e in follower.new_events() if e["event"] == "round"])
-            failed = {n: p.returncode for n, p in procs.items() if p.poll() not in (None, 0)}
+            for follower in list(followers):
+                new = follower.new_events()
+                averaging_epochs.update(e["epoch"] for e in new if e["event"] == "averaging")
+                contributed.update(e["peer"] for e in new if e["event"] == "round")
+                progress.update([e for e in new if e["event"] == "round"],
+                                live=sum(n not in removed and p.poll() is None for n, p in procs.items()))
+            for action in due(actions, averaging_epochs):
+                fire(action)
+            failed = {n: p.returncode for n, p in procs.items() if p.poll() not in (None, 0) and n not in removed}
             if failed:
                 name, code = next(iter(failed.items()))
                 progress.close()
                 print(f"demo: {name} exited with code {code}; its last log lines:\n{_tail(out / f'{name}.log')}",
                       file=sys.stderr)
                 return 1
+            if all(p.poll() is not None for p in procs.values()) and all(a.fired_seconds for a in actions):
+                break
             if all(p.poll() is not None for p in procs.values()):
+                missed = ", ".join(a.spec for a in actions if a.fired_seconds is None)
+                print(f"demo: the swarm finished before churn items {missed} could fire", file=sys.stderr)
                 break
             if time.monotonic() - started > args.timeout:
                 progress.close()
@@ -148,12 +194,36 @@ def run_demo(args) -> int:
         for proc in [*procs.values(), bootstrap]:
             _stop(proc)
 
-    summary = summarize(logs, time.monotonic() - started, {n: p.returncode for n, p in procs.items()})
+    exit_codes = {n: p.returncode for n, p in procs.items()}
+    finishers = [n for n in logs if n not in removed]
+    summary = summarize(logs, time.monotonic() - started, exit_codes, finishers)
     summary["config"] = args.config or "tiny-cpu"
+    if actions:
+        summary["churn"] = effects(actions, {n: list(read_events(p)) for n, p in logs.items()}, exit_codes)
     summary_path = Path(args.summary_json) if args.summary_json else out / "summary.json"
     summary_path.parent.mkdir(parents=True, exist_ok=True)
     summary_path.write_text(json.dumps(summary, indent=2))
     png = plot_losses(logs, out / "loss.png")
     print(format_table(summary))
+    for record in summary.get("churn", []):
+        print(f"churn {record['spec']}: {_describe(record)}")
     print(f"demo: summary in {summary_path}, loss curves in {png}")
     return 0 if summary["rounds_completed"] == args.rounds else 1
+
+
+def _describe(record: dict) -> str:
+    if record["action"] == "join":
+        parts = []
+        for name, j in record["joiners"].items():
+            synced = (f"synced epoch {j['synced_epoch']} in {j['sync_seconds']:.2f}s" if j["synced_epoch"] is not None
+                      else "no state sync needed")
+            first = j["first_contribution_seconds"]
+            parts.append(f"{name} {synced}, first contribution {first:.1f}s after start" if first is not None
+                         else f"{name} {synced}, never contributed")
+            parts[-1] += ", identical at the end" if j["identical_at_end"] else ", NOT identical at the end"
+        return "; ".join(parts)
+    survivors = record["survivors_round"]
+    how = "left cleanly" if record["left_cleanly"] else f"exit codes {record['exit_codes']}"
+    return (f"{', '.join(record['peers'])} {how}; round {record['round']} for the others: "
+            f"{survivors['outcomes']}, groups {survivors['group_sizes']}, "
+            f"{'identical' if survivors['identical'] else 'NOT identical'}")

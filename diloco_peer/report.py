@@ -10,8 +10,13 @@ from .events import read_events
 ROUND_FIELDS = ("round", "group_size", "outcome", "allreduce_seconds", "bytes_sent", "bytes_received")
 
 
-def summarize(logs: dict[str, Path], wall_seconds: float, exit_codes: dict[str, int | None]) -> dict:
-    """The demo's summary (the output contract of ``--summary-json``) from the peers' event logs."""
+def summarize(logs: dict[str, Path], wall_seconds: float, exit_codes: dict[str, int | None],
+              finishers: list[str] | None = None) -> dict:
+    """The demo's summary (the output contract of ``--summary-json``) from the peers' event logs.
+
+    ``finishers`` are the peers expected to train to the end (all, unless a churn schedule removed some):
+    ``rounds_completed`` and ``replicas_identical`` are about them."""
+    finishers = list(logs) if finishers is None else finishers
     starts, rounds, last_hash = {}, [], {}
     for name, path in logs.items():
         for event in read_events(path):
@@ -25,15 +30,15 @@ def summarize(logs: dict[str, Path], wall_seconds: float, exit_codes: dict[str, 
     per_peer = Counter(r["peer"] for r in rounds)
     final_round = max((r["round"] for r in rounds), default=0)
     final_evals = [r["eval_loss"] for r in rounds if r["round"] == final_round]
-    hashes = {name: h for name, (_, h) in last_hash.items()}
-    same_round = len({rnd for rnd, _ in last_hash.values()}) == 1
+    hashes = {name: h for name, (_, h) in last_hash.items() if name in finishers}
+    same_round = len({rnd for name, (rnd, _) in last_hash.items() if name in finishers}) == 1
     return {
         "peers": [
             {"name": name, "peer_id": starts.get(name, {}).get("peer_id"), "shard": starts.get(name, {}).get("shard"),
              "exit_code": exit_codes.get(name), "rounds": per_peer.get(name, 0)}
             for name in logs
         ],
-        "rounds_completed": min((per_peer.get(name, 0) for name in logs), default=0),
+        "rounds_completed": min((last_hash.get(name, (0, ""))[0] for name in finishers), default=0),
         "rounds": rounds,
         "outcomes": dict(Counter(r["outcome"] for r in rounds)),
         "eval_loss_first": next(iter(starts.values()))["eval_loss"] if starts else None,
@@ -43,7 +48,7 @@ def summarize(logs: dict[str, Path], wall_seconds: float, exit_codes: dict[str, 
         "compute_seconds": sum(r["compute_seconds"] for r in rounds),
         "param_sha256": hashes,
         "replicas_identical": bool(hashes) and same_round and len(set(hashes.values())) == 1
-        and len(hashes) == len(logs),
+        and len(hashes) == len(finishers),
     }
 
 

@@ -157,3 +157,40 @@ def test_bootstrap_down_mid_run_and_a_dead_bootstrap_address_do_not_matter(local
     last = {[e for e in local_swarm.events(n) if e["event"] == "round"][-1]["param_sha256"] for n in ("p0", "p1")}
     assert len(last) == 1
 
+
+
+def test_churn_schedule_parsing_errors_are_one_line():
+    from diloco_peer.churn import parse_churn
+    from diloco_peer.config import ConfigError
+
+    actions = parse_churn("join:1@round3, kill:2@round2", peers=3, rounds=5)
+    assert [(a.action, a.count, a.round) for a in actions] == [("kill", 2, 2), ("join", 1, 3)]
+    for bad, says in [("explode:1@round2", "ACTION:COUNT@roundR"), ("kill:1@round9", "1..5"),
+                      ("kill:3@round2", "leaves no peer"), ("kill:0@round1", "COUNT must be >= 1")]:
+        with pytest.raises(ConfigError, match=says):
+            parse_churn(bad, peers=3, rounds=5)
+
+
+def test_demo_churn_schedule_shows_the_swarm_healing(tmp_path):
+    import subprocess
+
+    from conftest import diloco_cmd
+
+    out = tmp_path / "demo"
+    cmd = diloco_cmd("demo", "--peers", "3", "--rounds", "8", "--out", str(out),
+                     "--churn", "kill:1@round2,join:1@round2,term:1@round5")
+    # rounds long enough for the newcomer to start (imports, corpus) before the swarm is done
+    for item in [*FAST, "outer.inner_steps=30", "averaging.allreduce_timeout=8.0", "averaging.ready_timeout=8.0",
+                 "averaging.first_round_timeout=60.0"]:
+        cmd += ["--set", item]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    kill, join, term = summary["churn"]
+    assert kill["peers"] == ["peer-2"] and kill["exit_codes"] == {"peer-2": -9}
+    assert kill["survivors_round"]["identical"] and set(kill["survivors_round"]["outcomes"]) == {"averaged"}
+    assert join["peers"] == ["peer-3"] and join["joiners"]["peer-3"]["identical_at_end"]
+    assert join["joiners"]["peer-3"]["synced_epoch"] >= 2 and join["joiners"]["peer-3"]["sync_bytes"] > 0
+    assert term["peers"] == ["peer-1"] and term["left_cleanly"] and term["survivors_round"]["identical"]
+    assert summary["rounds_completed"] == 8 and summary["replicas_identical"] is True
+    assert "churn kill:1@round2: peer-2" in result.stdout
