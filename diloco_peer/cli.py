@@ -3,6 +3,7 @@
     diloco-peer bootstrap --identity ./boot.key --listen /ip4/0.0.0.0/tcp/31337
     diloco-peer join /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW... [--config tiny-cpu] [--set inner.lr=3e-4 ...]
     diloco-peer demo --peers 3 --rounds 5 [--config tiny-cpu] [--summary-json out.json] [--churn kill:1@round2]
+    diloco-peer simulate --replicas 4 --rounds 10 [--codec int8] [--overlap delayed]
 
 Exit codes: 0 ok, 1 runtime failure (e.g. no bootstrap reachable), 2 bad input (CLI, config, address).
 """
@@ -66,6 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
                            "(an item fires when round R begins averaging)")
     demo.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
                       help="give up if the swarm has not finished after this long (default 900)")
+    sim = sub.add_parser("simulate", help="K DiLoCo replicas in one process (no network) against the baselines")
+    _add_config_args(sim)
+    sim.add_argument("--replicas", type=int, default=4, help="K, the number of DiLoCo replicas (default 4)")
+    sim.add_argument("--rounds", type=int, default=10, help="outer rounds of H inner steps (default 10)")
+    sim.add_argument("--codec", default="none", choices=["none", "fp16", "bf16", "int8", "int4"],
+                     help="pseudo-gradient codec on the (simulated) wire (default none)")
+    sim.add_argument("--overlap", default="blocking", choices=["blocking", "delayed"],
+                     help="blocking, or delayed: average round t while round t+1 trains (default blocking)")
+    sim.add_argument("--error-feedback", action="store_true",
+                     help="carry the codec's rounding error into the next round")
+    sim.add_argument("--no-baselines", action="store_true", help="skip the single-replica and Kx-batch baselines")
+    sim.add_argument("--out", default="runs/simulate", metavar="DIR",
+                     help="directory for simulate.json and eval_loss.png (default runs/simulate)")
     return parser
 
 
@@ -97,6 +111,10 @@ def _run(args: argparse.Namespace) -> int:
             overrides.append(f"swarm.identity_path={json.dumps(args.identity)}")
         cfg = load_config(args.config, overrides)
         return uvloop.run(PeerDaemon(cfg, args.bootstrap, args.name).run())
+    if args.command == "simulate":
+        from .simulate import run_simulate
+
+        return run_simulate(args, load_config(args.config, overrides))
     if args.command == "demo":
         from .demo import run_demo
 

@@ -93,6 +93,7 @@ class PeerDaemon:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
 
+        self._children_before = {c.pid for c in psutil.Process().children(recursive=True)}
         reaper = Reaper()  # if we are SIGKILLed, our children (DHT, averager, p2pd) must not live on
         try:
             return await self._run(reaper)
@@ -100,7 +101,11 @@ class PeerDaemon:
             reaper.close()
 
     def _watch_children(self, reaper: Reaper) -> None:
-        reaper.watch([c.pid for c in psutil.Process().children(recursive=True) if c.pid != reaper.proc.pid])
+        # the processes we started (not the host's other children, e.g. in tests); torch's shared-memory
+        # manager is left out: it is shared by the whole process and exits by itself
+        ours = [c for c in psutil.Process().children(recursive=True)
+                if c.pid not in self._children_before and c.pid != reaper.proc.pid]
+        reaper.watch([c.pid for c in ours if _name(c) not in ("torch_shm_manager", "")])
 
     async def _run(self, reaper: Reaper) -> int:
         cfg = self.cfg
@@ -299,6 +304,13 @@ class PeerDaemon:
         with self.sync.lock:  # a peer downloading our state sees the state before or after, never between
             self.outer.step(update)
             self.sync.after_outer_step()
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return process.name()
+    except psutil.Error:  # gone meanwhile
+        return ""
 
 
 def _exit_now(code: int) -> None:

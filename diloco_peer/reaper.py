@@ -8,9 +8,9 @@ is how OpenDiLoCo runs leave orphaned p2pd processes behind.)
 So the daemon starts this tiny watcher as a separate process and tells it, through a pipe, the pids of
 its children. The watcher reads that pipe and checks twice a second whether its parent is still there
 (a dead parent's children are re-parented, so ``getppid()`` changes; the pipe alone is no signal, as
-hivemind's forked children inherit its write end). When the daemon is gone, for whatever reason, or
-closes the pipe after a clean shutdown, the watcher kills the children it was told about that still run
-(checking each pid's start time, so that a recycled pid is never hit) and exits. It lives in its own
+hivemind's forked children inherit its write end). When the daemon is gone, the watcher kills the
+children it was told about that still run (checking each pid's start time, so that a recycled pid is
+never hit) and exits; after a clean shutdown the daemon says "done" and the watcher just exits. It lives in its own
 session, so a Ctrl+C or a kill of the daemon's process group does not take it down before its job is done.
 """
 
@@ -49,7 +49,7 @@ class Reaper:
         self.proc.stdin.flush()
 
     def close(self) -> None:
-        """Our children are stopped: the watcher kills any that is not, and exits."""
+        """Our children are stopped: the watcher can go."""
         try:
             self.proc.stdin.write("done\n")
             self.proc.stdin.close()
@@ -68,7 +68,7 @@ def main() -> None:
             chunk = os.read(fd, 4096)
             *lines, pending = (pending + chunk).split(b"\n")
             if not chunk or b"done" in lines:
-                break  # the daemon shut down cleanly
+                return  # the daemon shut its children down itself
             for line in lines:
                 pid, started = line.split()
                 watched[int(pid)] = started.decode()

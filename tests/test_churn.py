@@ -194,3 +194,28 @@ def test_demo_churn_schedule_shows_the_swarm_healing(tmp_path):
     assert term["peers"] == ["peer-1"] and term["left_cleanly"] and term["survivors_round"]["identical"]
     assert summary["rounds_completed"] == 8 and summary["replicas_identical"] is True
     assert "churn kill:1@round2: peer-2" in result.stdout
+
+
+def test_a_straggler_does_not_hold_the_swarm_and_catches_up_by_state_sync(local_swarm):
+    local_swarm.start_bootstrap()
+    common = ["averaging.ready_timeout=2.0", "averaging.min_peers=3", "run.max_rounds=6"]
+    fast = [local_swarm.start_peer(f"p{i}", *common) for i in range(2)]
+    slow = local_swarm.start_peer("slow", *common, "inner.grad_accum=6")  # each inner step costs 6x
+    for proc in fast:
+        assert proc.wait(timeout=300) == 0
+    slow.send_signal(signal.SIGTERM)
+    assert slow.wait(timeout=60) == 0
+
+    fast_rounds = _rounds(local_swarm, "p0")
+    assert [r["round"] for r in fast_rounds] == list(range(1, 7))
+    # after the first round (which waits for everybody), the fast peers went on without the straggler
+    assert all(r["outcome"] == "averaged" for r in fast_rounds)
+    assert any(r["group_size"] == 2 and r["wait_seconds"] < 10 for r in fast_rounds[1:]), fast_rounds
+    # the straggler never went its own way: it dropped its stale rounds and took the swarm's state
+    slow_events = local_swarm.events("slow")
+    syncs = [e for e in slow_events if e["event"] == "sync"]
+    assert syncs and all(e["ok"] and "the swarm is at epoch" in e["reason"] for e in syncs), syncs
+    by_round = {r["round"]: r["param_sha256"] for r in fast_rounds}
+    for r in _rounds(local_swarm, "slow"):
+        assert r["outcome"] != "solo", r
+        assert r["param_sha256"] == by_round.get(r["round"], r["param_sha256"]), r

@@ -87,7 +87,7 @@ def test_single_peer_with_unit_outer_lr_equals_plain_adamw(tmp_path):
     cfg = load_config(None, [
         *FAST, "outer.inner_steps=1", "outer.lr=1.0", "outer.momentum=0.0", "outer.nesterov=false",
         "averaging.min_peers=1", f"run.max_rounds={steps}", "data.shard=0", f"run.log_dir={json.dumps(str(tmp_path))}",
-        "swarm.host_maddrs=[\"/ip4/127.0.0.1/tcp/0\"]",
+        "swarm.host_maddrs=[\"/ip4/127.0.0.1/tcp/0\"]", f"checkpoint.dir={json.dumps(str(tmp_path / 'ckpt'))}",
     ])
     daemon = PeerDaemon(cfg, initial_peers=[], name="solo")
     assert asyncio.run(daemon.run()) == 0

@@ -1,0 +1,239 @@
+"""``diloco-peer simulate``: K DiLoCo replicas in one process, no network, plus the two baselines.
+
+    diloco-peer simulate --replicas 4 --rounds 20 --out runs/sim
+    diloco-peer simulate --replicas 8 --rounds 20 --codec int8 --overlap delayed --set outer.inner_steps=25
+
+It runs exactly what a swarm of K peers computes, built from the same parts (``build_model``,
+``Corpus`` shard i of K as ``diloco-peer demo`` gives peer i, ``Trainer``, ``OuterOptimizer``):
+every round each replica takes H inner steps from the outer weights, its pseudo-gradient goes
+through the codec, the token-weighted mean goes through the codec again (the reducer's reply), and
+every replica applies the same outer step. The equivalence test runs a real swarm and this with the
+same config and checks that the weights after every round agree (tests/test_simulate.py).
+
+Two baselines, at the same number of inner steps:
+- ``single``: one replica with batch B on the whole corpus (the "no replica" baseline, 1/K the compute);
+- ``kx_batch``: one replica with batch K*B (as gradient accumulation), what data-parallel training of
+  K workers computes; the same compute as DiLoCo with K replicas.
+
+Overlap ``delayed`` (DiLoCoX's one-step delay): round t's pseudo-gradient is the replica's own progress
+during round t (weights at the start of the round minus weights at its end). It is averaged while
+round t+1 trains; at the end of round t+1 the outer step applies the average of round t to the outer
+weights, and the replica continues from ``outer + (progress of round t+1)``: the progress already
+included in the average is replaced by the average, the progress not sent yet is kept. Blocking mode
+(the default) waits for the average and restarts every round from the outer weights.
+
+Eval loss is measured on the outer weights (in delayed mode they lag one round behind the replicas).
+Bytes are what a butterfly all-reduce of K peers moves per peer and round, sent plus received:
+``2 * 2 (K-1)/K * encoded size``; for ``kx_batch`` the same formula for an fp32 gradient all-reduce
+every inner step (what DDP sends).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .compression import ErrorFeedback, get_codec
+from .config import PeerConfig
+from .data import Corpus
+from .model import build_model
+from .outer_optimizer import OuterOptimizer
+from .trainer import Trainer
+
+
+@dataclass
+class SimRun:
+    """One simulated run: its eval curve and what it would have sent."""
+
+    name: str
+    kind: str
+    replicas: int
+    codec: str = "none"
+    overlap: str = "blocking"
+    tokens: list[int] = field(default_factory=list)
+    """Tokens processed by all replicas together, at each eval point."""
+    eval_loss: list[float] = field(default_factory=list)
+    bytes_per_replica: int = 0
+    seconds: float = 0.0
+
+    @property
+    def final_ppl(self) -> float:
+        return math.exp(self.eval_loss[-1])
+
+    def to_dict(self) -> dict:
+        return {**self.__dict__, "final_eval_loss": self.eval_loss[-1], "final_ppl": self.final_ppl}
+
+
+def _allreduce_bytes(replicas: int, payload: int) -> int:
+    return 0 if replicas == 1 else round(2 * 2 * (replicas - 1) / replicas * payload)
+
+
+def _corpus(cfg: PeerConfig, shard: int, shards: int) -> Corpus:
+    return Corpus(cfg.data.model_copy(update={"num_shards": shards, "shard": shard}), shard, cfg.model.vocab_size)
+
+
+def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none", overlap: str = "blocking",
+               error_feedback: bool = False, on_round=None) -> SimRun:
+    """K replicas for ``rounds`` outer rounds. ``on_round(round, outer_params)`` is called after each."""
+    started = time.perf_counter()
+    wire = get_codec(codec)
+    name = f"diloco-k{replicas}-{codec}-{overlap}"
+    run = SimRun(name, "diloco", replicas, codec, overlap)
+    trainers, outers, feedback = [], [], []
+    for i in range(replicas):
+        trainer = Trainer(build_model(cfg.model, cfg.run.seed), _corpus(cfg, i, replicas), cfg.inner)
+        trainers.append(trainer)
+        outers.append(OuterOptimizer(trainer.model, cfg.outer))
+        feedback.append(ErrorFeedback(wire) if error_feedback else None)
+    H = cfg.outer.inner_steps
+    run.tokens.append(0)
+    run.eval_loss.append(trainers[0].evaluate())
+    pending = None  # delayed mode: the average of the previous round, applied at the end of this one
+    tokens = 0
+    for rnd in range(1, rounds + 1):
+        starts = [[p.detach().clone() for p in t.model.parameters()] for t in trainers]
+        weights, sent = [], []
+        for trainer, outer, fb, start in zip(trainers, outers, feedback, starts):
+            stats = trainer.train_steps(H)
+            tokens += stats.tokens
+            weights.append(stats.tokens)
+            if overlap == "blocking":
+                delta = outer.pseudo_gradient()
+            else:  # this round's own progress
+                delta = [s - p.detach() for s, p in zip(start, trainer.model.parameters())]
+            if fb is not None:
+                delta, size = fb.roundtrip(delta)
+            else:
+                delta, size = _roundtrip_all(wire, delta)
+            sent.append(delta)
+            run.bytes_per_replica += _allreduce_bytes(replicas, size)
+        # token-weighted mean, summed in a fixed order; the reducers' reply crosses the wire again
+        total = float(sum(weights))
+        average = [sum(parts[i] * (w / total) for parts, w in zip(sent, weights)) for i in range(len(sent[0]))]
+        average, _ = _roundtrip_all(wire, average)
+        if overlap == "blocking":
+            for outer in outers:
+                outer.step(average)
+        else:
+            for trainer, outer, start in zip(trainers, outers, starts):
+                progress = [p.detach() - s for p, s in zip(trainer.model.parameters(), start)]
+                if pending is not None:
+                    outer.step(pending)  # loads the new outer weights into the replica
+                else:
+                    outer.load_into_model()
+                with torch.no_grad():
+                    for p, d in zip(trainer.model.parameters(), progress):
+                        p.add_(d)
+            pending = average
+        if on_round is not None:
+            on_round(rnd, outers[0].params)
+        run.tokens.append(tokens)
+        run.eval_loss.append(_eval_outer(trainers[0], outers[0]))
+    run.seconds = time.perf_counter() - started
+    return run
+
+
+def _roundtrip_all(codec, tensors):
+    out, total = [], 0
+    for t in tensors:
+        restored, size = codec.roundtrip(t)
+        out.append(restored)
+        total += size
+    return out, total
+
+
+def _eval_outer(trainer: Trainer, outer: OuterOptimizer) -> float:
+    """Eval loss of the outer weights (in delayed mode the replica holds outer + local progress)."""
+    live = [p.detach().clone() for p in trainer.model.parameters()]
+    outer.load_into_model()
+    loss = trainer.evaluate()
+    with torch.no_grad():
+        for p, saved in zip(trainer.model.parameters(), live):
+            p.copy_(saved)
+    return loss
+
+
+def run_baseline(cfg: PeerConfig, kind: str, replicas: int, rounds: int) -> SimRun:
+    """``single`` (batch B) or ``kx_batch`` (batch K*B) for rounds*H inner steps on the whole corpus."""
+    started = time.perf_counter()
+    accum = cfg.inner.grad_accum * (replicas if kind == "kx_batch" else 1)
+    inner = cfg.inner.model_copy(update={"grad_accum": accum})
+    trainer = Trainer(build_model(cfg.model, cfg.run.seed), _corpus(cfg, 0, 1), inner)
+    workers = replicas if kind == "kx_batch" else 1
+    run = SimRun(f"{kind}-k{replicas}" if kind == "kx_batch" else "single", kind, workers)
+    run.tokens.append(0)
+    run.eval_loss.append(trainer.evaluate())
+    H, tokens = cfg.outer.inner_steps, 0
+    gradient_bytes = 4 * sum(p.numel() for p in trainer.model.parameters())
+    for _ in range(rounds):
+        tokens += trainer.train_steps(H).tokens
+        run.bytes_per_replica += H * _allreduce_bytes(workers, gradient_bytes)
+        run.tokens.append(tokens)
+        run.eval_loss.append(trainer.evaluate())
+    run.seconds = time.perf_counter() - started
+    return run
+
+
+def plot_runs(runs: list[SimRun], png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for run in runs:
+        ax.plot(run.tokens, run.eval_loss, marker=".", label=f"{run.name} (ppl {run.final_ppl:.2f})")
+    ax.set(xlabel="tokens processed (all replicas)", ylabel="eval loss", title="DiLoCo vs baselines")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def format_table(runs: list[SimRun]) -> str:
+    kx = {r.replicas: r for r in runs if r.kind == "kx_batch"}
+    lines = [f"{'run':<28} {'tokens':>11} {'eval loss':>9} {'ppl':>8} {'vs Kx-batch':>11} {'MB/replica':>11}"]
+    for r in runs:
+        ref = kx.get(r.replicas)
+        rel = f"{(r.final_ppl / ref.final_ppl - 1) * 100:+.2f}%" if ref is not None else "-"
+        lines.append(f"{r.name:<28} {r.tokens[-1]:>11,} {r.eval_loss[-1]:>9.4f} {r.final_ppl:>8.3f} {rel:>11} "
+                     f"{r.bytes_per_replica / 1e6:>11.2f}")
+    return "\n".join(lines)
+
+
+def run_simulate(args, cfg: PeerConfig) -> int:
+    if args.replicas < 1 or args.rounds < 1:
+        print(f"diloco-peer: error: --replicas ({args.replicas}) and --rounds ({args.rounds}) must be >= 1")
+        return 2
+    get_codec(args.codec)  # a bad name fails before anything runs
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    out = Path(args.out)
+    runs = []
+    plan = [("diloco", args.codec, args.overlap)]
+    if not args.no_baselines:
+        plan = [("single", "", ""), ("kx_batch", "", ""), *plan]
+    for kind, codec, overlap in plan:
+        if kind == "diloco":
+            run = run_diloco(cfg, args.replicas, args.rounds, codec, overlap, args.error_feedback)
+        else:
+            run = run_baseline(cfg, kind, args.replicas, args.rounds)
+        runs.append(run)
+        print(f"simulate: {run.name}: eval loss {run.eval_loss[0]:.4f} -> {run.eval_loss[-1]:.4f} "
+              f"(ppl {run.final_ppl:.3f}) in {run.seconds:.0f}s", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "simulate.json").write_text(json.dumps({"runs": [r.to_dict() for r in runs],
+                                                   "rounds": args.rounds, "inner_steps": cfg.outer.inner_steps},
+                                                  indent=2))
+    png = plot_runs(runs, out / "eval_loss.png")
+    print(format_table(runs))
+    print(f"simulate: results in {out / 'simulate.json'}, plot in {png}")
+    return 0
