@@ -98,7 +98,8 @@ class _ExactAllReduceRunner(AllReduceRunner):
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         for part_index, part in enumerate(self.parts_for_local_averaging):
-            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=self.weight)
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
+                                                                      weight=self.weight)
             if self._wire_type != runtime_pb2.CompressionType.NONE:
                 averaged = deserialize_torch_tensor(serialize_torch_tensor(averaged, self._wire_type))
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
@@ -256,6 +257,9 @@ class RoundAverager:
         with self.averager.get_tensors() as tensors:
             for target, source in zip(tensors, pseudo_gradient):
                 target.copy_(source)
+        # one matchmaking key per outer epoch: a late peer still averaging epoch e never lands in the group
+        # of epoch e+1, where its pseudo-gradient (relative to older weights) would poison everyone's step
+        await asyncio.to_thread(self.averager.set_group_bits, format(epoch, "b"))
         control = self.averager.step(
             weight=float(weight),
             gather={"epoch": epoch, "tokens": int(weight)},

@@ -10,9 +10,10 @@ Each item is ``ACTION:COUNT@roundR``:
 
 An item fires the moment the first peer begins the averaging of round R (its ``averaging`` event), so a
 kill lands in the middle of that round's matchmaking and all-reduce. ``kill`` and ``term`` pick the
-highest-numbered peers still running among those started at the beginning (joiners last). After the run, each item's *effect* is read back from the event
-logs: how the survivors' round went, whether the leavers exited cleanly, how fast a joiner synced and
-contributed, and whether everybody ended with the same weights.
+highest-numbered peers still running among those started at the beginning (joiners last). After the
+run, each item's *effect* is read back from the event logs: how the survivors' round went, whether the
+leavers exited cleanly, how fast a joiner synced and contributed, and whether everybody ended with the
+same weights.
 """
 
 from __future__ import annotations

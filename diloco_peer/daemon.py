@@ -217,9 +217,10 @@ class PeerDaemon:
                 record["first_contribution_seconds"] = self.first_contribution
             events.write("round", **record)
             self._last_log = time.monotonic()
+            megabytes = (record["bytes_sent"] + record["bytes_received"]) / 1e6
             logger.info(
                 f"round {record['round']}: {record['outcome']} with group of {record['group_size']} "
-                f"({record['allreduce_seconds']:.2f}s, {(record['bytes_sent'] + record['bytes_received']) / 1e6:.2f} MB)"
+                f"({record['allreduce_seconds']:.2f}s, {megabytes:.2f} MB)"
                 f" | train loss {record['train_loss']:.4f} | eval loss {record['eval_loss']:.4f} | "
                 f"{inner['tokens'] / max(inner['compute_seconds'], 1e-9):,.0f} tok/s"
             )

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,7 +218,8 @@ def format_table(runs: list[SimRun]) -> str:
 
 def run_simulate(args, cfg: PeerConfig) -> int:
     if args.replicas < 1 or args.rounds < 1:
-        print(f"diloco-peer: error: --replicas ({args.replicas}) and --rounds ({args.rounds}) must be >= 1")
+        print(f"diloco-peer: error: --replicas ({args.replicas}) and --rounds ({args.rounds}) must be >= 1",
+              file=sys.stderr)
         return 2
     get_codec(args.codec)  # a bad name fails before anything runs
     if cfg.run.threads:

@@ -21,7 +21,8 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"inner.device={name!r} but this machine has no usable CUDA GPU: use inner.device=auto or cpu")
+        raise ConfigError(f"inner.device={name!r} but this machine has no usable CUDA GPU: "
+                          f"use inner.device=auto or cpu")
     if name == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("inner.device='mps' but Apple's MPS backend is not available: use inner.device=auto or cpu")
     return torch.device(name)

@@ -31,6 +31,10 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         (["join", GOOD_ADDR, "--config", "no-such-config"], 2, "tiny-cpu"),
         (["demo", "--peers", "0"], 2, "--peers"),
         (["demo", "--set", "model.hidden_size=65"], 2, "hidden_size"),
+        (["demo", "--churn", "kill:1@round2,explode"], 2, "explode"),
+        (["demo", "--peers", "2", "--churn", "kill:2@round1"], 2, "leaves no peer"),
+        (["simulate", "--replicas", "0"], 2, "--replicas"),
+        (["simulate", "--set", "outer.lr=-1"], 2, "outer.lr"),
     ],
 )
 def test_bad_input_one_line_error(args, code, must_contain):
@@ -101,3 +105,15 @@ def test_a_peer_started_before_its_bootstrap_joins_once_it_is_up(local_swarm):
     assert peer.wait(timeout=120) == 0, (local_swarm.workdir / "early.log").read_text()
     rounds = [json.loads(line) for line in (local_swarm.workdir / "early.jsonl").read_text().splitlines()]
     assert [e["round"] for e in rounds if e["event"] == "round"] == [1]
+
+
+def test_simulate_writes_results_and_plot(tmp_path):
+    result = run_cli("simulate", "--replicas", "2", "--rounds", "2", "--out", str(tmp_path), "--codec", "int8",
+                     "--set", "outer.inner_steps=5", "--set", "data.max_bytes=200_000", "--set", "run.threads=1",
+                     timeout=300)
+    assert result.returncode == 0, result.stderr
+    runs = {r["name"]: r for r in json.loads((tmp_path / "simulate.json").read_text())["runs"]}
+    assert set(runs) == {"single", "kx_batch-k2", "diloco-k2-int8-blocking"}
+    assert runs["kx_batch-k2"]["tokens"][-1] == runs["diloco-k2-int8-blocking"]["tokens"][-1] == 2 * 2 * 5 * 8 * 128
+    assert all(r["final_eval_loss"] < r["eval_loss"][0] for r in runs.values())
+    assert (tmp_path / "eval_loss.png").stat().st_size > 10_000 and "vs Kx-batch" in result.stdout

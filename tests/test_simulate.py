@@ -103,13 +103,15 @@ def test_a_swarm_computes_exactly_what_the_simulator_computes(tmp_path):
 
     run_diloco(cfg, peers, rounds, on_round=compare)
     assert sorted(diffs) == list(range(1, rounds + 1))
-    assert max(diffs.values()) < 1e-5, diffs  # float reduction order only
+    # float summation order differs (the all-reduce sums parts, weighted by tokens); AdamW divides by sqrt(v)
+    # and so magnifies those last-bit differences over the inner steps: 1e-8 after one round, ~1e-5 after three
+    assert max(diffs.values()) < 1e-4, diffs
     # and the comparison can tell DiLoCo variants apart: another outer lr does not match
     other = {}
     run_diloco(load_config(None, [*FAST, "outer.lr=0.6"]), peers, 1,
                on_round=lambda rnd, params: other.update(d=max((a - b).abs().max().item()
                                                                for a, b in zip(params, swarm[1]))))
-    assert other["d"] > 1e-3
+    assert other["d"] > 1e-3 > 10 * max(diffs.values()), (other, diffs)
 
 
 def _golden_curve() -> list[float]:
