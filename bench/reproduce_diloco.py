@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/reproduce_diloco.py            # full: T=300 inner steps, K = 4 and 8 (~20 min on 2 cores)
     .venv/bin/python bench/reproduce_diloco.py --quick    # T=100, K = 4 (~2 min)
+    .venv/bin/python bench/reproduce_diloco.py --pretrain 300 --out bench/reproduce_diloco_pretrained.json
 
 The DiLoCo paper (Douillard et al. 2023, table 2; OpenDiLoCo reproduces it) trains a 150M Llama on C4
 with H=500: no replica ppl 16.17, data-parallel with 8x batch 13.68, DiLoCo with 8 replicas 13.73,
@@ -12,7 +13,8 @@ int8 and overlapped ("delayed") int8 pseudo-gradients. All numbers come from ``d
 engine (``diloco_peer/simulate.py``), which a test proves computes what a real swarm computes.
 
 Prints one table (eval perplexity, its gap to Kx batch, bytes per replica, and the byte ratio against
-DDP) and writes ``bench/reproduce_diloco.json``.
+DDP) and writes ``bench/reproduce_diloco.json``. ``--pretrain N`` starts every run (baselines included)
+from one replica trained N steps, as the paper starts from a model pretrained 24k steps.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from diloco_peer.config import load_config  # noqa: E402
-from diloco_peer.simulate import format_table, plot_runs, run_baseline, run_diloco  # noqa: E402
+from diloco_peer.simulate import format_table, plot_runs, pretrain, run_baseline, run_diloco  # noqa: E402
 
 
 def main() -> None:
@@ -36,6 +38,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="T=100 inner steps, K=4 only (about 2 minutes)")
     parser.add_argument("--steps", type=int, default=None, help="T, inner steps per run (default 300; quick 100)")
     parser.add_argument("--H", type=int, default=None, help="inner steps per outer round (default 50; quick 25)")
+    parser.add_argument("--pretrain", type=int, default=0, metavar="STEPS",
+                        help="start every run from one replica trained STEPS steps, as the paper does (default 0)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, e.g. --set outer.lr=0.5")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "reproduce_diloco.json"))
@@ -47,14 +51,15 @@ def main() -> None:
     torch.set_num_threads(2)
     cfg = load_config(None, [f"outer.inner_steps={H}", f"inner.total_steps={steps}", "run.threads=2",
                              *args.overrides])
-    print(f"T={steps} inner steps, H={H} ({rounds} rounds), K in {ks}, model tiny-cpu; "
+    print(f"T={steps} inner steps, H={H} ({rounds} rounds), K in {ks}, model tiny-cpu, pretrain {args.pretrain}; "
           f"overrides {args.overrides or 'none'}", flush=True)
     started = time.perf_counter()
-    runs = [run_baseline(cfg, "single", 1, rounds)]
+    init = pretrain(cfg, args.pretrain) if args.pretrain else None
+    runs = [run_baseline(cfg, "single", 1, rounds, init=init)]
     for k in ks:
-        runs.append(run_baseline(cfg, "kx_batch", k, rounds))
+        runs.append(run_baseline(cfg, "kx_batch", k, rounds, init=init))
         for codec, overlap in (("none", "blocking"), ("int8", "blocking"), ("int8", "delayed")):
-            runs.append(run_diloco(cfg, k, rounds, codec, overlap))
+            runs.append(run_diloco(cfg, k, rounds, codec, overlap, init=init))
             print(f"  {runs[-1].name}: ppl {runs[-1].final_ppl:.3f} ({runs[-1].seconds:.0f}s)", flush=True)
     print(format_table(runs))
     ddp = {r.replicas: r.bytes_per_replica for r in runs if r.kind == "kx_batch"}
@@ -62,6 +67,7 @@ def main() -> None:
         if r.kind == "diloco":
             print(f"{r.name}: {ddp[r.replicas] / r.bytes_per_replica:,.0f}x fewer bytes than DDP (Kx batch)")
     record = {"command": " ".join(["bench/reproduce_diloco.py", *sys.argv[1:]]), "steps": steps, "H": H,
+              "pretrain": args.pretrain,
               "seconds": time.perf_counter() - started, "runs": [r.to_dict() for r in runs]}
     Path(args.out).write_text(json.dumps(record, indent=2))
     plot_runs(runs, Path(args.out).with_suffix(".png"))

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--error-feedback", action="store_true",
                      help="carry the codec's rounding error into the next round")
     sim.add_argument("--no-baselines", action="store_true", help="skip the single-replica and Kx-batch baselines")
+    sim.add_argument("--pretrain", type=int, default=0, metavar="STEPS",
+                     help="start every run from one replica trained this many steps, as the DiLoCo paper does "
+                          "(default 0: from scratch)")
     sim.add_argument("--out", default="runs/simulate", metavar="DIR",
                      help="directory for simulate.json and eval_loss.png (default runs/simulate)")
     return parser

@@ -79,16 +79,36 @@ def _corpus(cfg: PeerConfig, shard: int, shards: int) -> Corpus:
     return Corpus(cfg.data.model_copy(update={"num_shards": shards, "shard": shard}), shard, cfg.model.vocab_size)
 
 
+def pretrain(cfg: PeerConfig, steps: int) -> dict[str, torch.Tensor]:
+    """A warm start: ``steps`` inner steps of one replica (batch B, whole corpus, its own LR schedule).
+
+    The DiLoCo paper starts every run, baselines included, from a model pretrained for 24k steps; DiLoCo's
+    outer step extrapolates the replicas' mean displacement, which is sound once training is past its
+    first, most non-linear phase. ``run_diloco``/``run_baseline`` take the result as ``init``."""
+    inner = cfg.inner.model_copy(update={"total_steps": steps, "warmup_steps": min(cfg.inner.warmup_steps, steps)})
+    trainer = Trainer(build_model(cfg.model, cfg.run.seed), _corpus(cfg, 0, 1), inner)
+    trainer.train_steps(steps)
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def _model(cfg: PeerConfig, init: dict[str, torch.Tensor] | None) -> torch.nn.Module:
+    model = build_model(cfg.model, cfg.run.seed)
+    if init is not None:
+        model.load_state_dict(init)
+    return model
+
+
 def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none", overlap: str = "blocking",
-               error_feedback: bool = False, on_round=None) -> SimRun:
-    """K replicas for ``rounds`` outer rounds. ``on_round(round, outer_params)`` is called after each."""
+               error_feedback: bool = False, on_round=None, init: dict[str, torch.Tensor] | None = None) -> SimRun:
+    """K replicas for ``rounds`` outer rounds, from ``init`` (see ``pretrain``) or from scratch.
+    ``on_round(round, outer_params)`` is called after each round."""
     started = time.perf_counter()
     wire = get_codec(codec)
     name = f"diloco-k{replicas}-{codec}-{overlap}"
     run = SimRun(name, "diloco", replicas, codec, overlap)
     trainers, outers, feedback = [], [], []
     for i in range(replicas):
-        trainer = Trainer(build_model(cfg.model, cfg.run.seed), _corpus(cfg, i, replicas), cfg.inner)
+        trainer = Trainer(_model(cfg, init), _corpus(cfg, i, replicas), cfg.inner)
         trainers.append(trainer)
         outers.append(OuterOptimizer(trainer.model, cfg.outer))
         feedback.append(ErrorFeedback(wire) if error_feedback else None)
@@ -165,12 +185,13 @@ def _eval_outer(trainer: Trainer, outer: OuterOptimizer) -> float:
     return loss
 
 
-def run_baseline(cfg: PeerConfig, kind: str, replicas: int, rounds: int) -> SimRun:
+def run_baseline(cfg: PeerConfig, kind: str, replicas: int, rounds: int,
+                 init: dict[str, torch.Tensor] | None = None) -> SimRun:
     """``single`` (batch B) or ``kx_batch`` (batch K*B) for rounds*H inner steps on the whole corpus."""
     started = time.perf_counter()
     accum = cfg.inner.grad_accum * (replicas if kind == "kx_batch" else 1)
     inner = cfg.inner.model_copy(update={"grad_accum": accum})
-    trainer = Trainer(build_model(cfg.model, cfg.run.seed), _corpus(cfg, 0, 1), inner)
+    trainer = Trainer(_model(cfg, init), _corpus(cfg, 0, 1), inner)
     workers = replicas if kind == "kx_batch" else 1
     run = SimRun(f"{kind}-k{replicas}" if kind == "kx_batch" else "single", kind, workers)
     run.tokens.append(0)
@@ -217,29 +238,34 @@ def format_table(runs: list[SimRun]) -> str:
 
 
 def run_simulate(args, cfg: PeerConfig) -> int:
-    if args.replicas < 1 or args.rounds < 1:
-        print(f"diloco-peer: error: --replicas ({args.replicas}) and --rounds ({args.rounds}) must be >= 1",
-              file=sys.stderr)
+    if args.replicas < 1 or args.rounds < 1 or args.pretrain < 0:
+        print(f"diloco-peer: error: --replicas ({args.replicas}) and --rounds ({args.rounds}) must be >= 1 "
+              f"and --pretrain ({args.pretrain}) >= 0", file=sys.stderr)
         return 2
     get_codec(args.codec)  # a bad name fails before anything runs
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     out = Path(args.out)
+    init = None
+    if args.pretrain:
+        started = time.perf_counter()
+        init = pretrain(cfg, args.pretrain)
+        print(f"simulate: pretrained {args.pretrain} steps in {time.perf_counter() - started:.0f}s", flush=True)
     runs = []
     plan = [("diloco", args.codec, args.overlap)]
     if not args.no_baselines:
         plan = [("single", "", ""), ("kx_batch", "", ""), *plan]
     for kind, codec, overlap in plan:
         if kind == "diloco":
-            run = run_diloco(cfg, args.replicas, args.rounds, codec, overlap, args.error_feedback)
+            run = run_diloco(cfg, args.replicas, args.rounds, codec, overlap, args.error_feedback, init=init)
         else:
-            run = run_baseline(cfg, kind, args.replicas, args.rounds)
+            run = run_baseline(cfg, kind, args.replicas, args.rounds, init=init)
         runs.append(run)
         print(f"simulate: {run.name}: eval loss {run.eval_loss[0]:.4f} -> {run.eval_loss[-1]:.4f} "
               f"(ppl {run.final_ppl:.3f}) in {run.seconds:.0f}s", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "simulate.json").write_text(json.dumps({"runs": [r.to_dict() for r in runs],
-                                                   "rounds": args.rounds, "inner_steps": cfg.outer.inner_steps},
+    (out / "simulate.json").write_text(json.dumps({"runs": [r.to_dict() for r in runs], "rounds": args.rounds,
+                                                   "inner_steps": cfg.outer.inner_steps, "pretrain": args.pretrain},
                                                   indent=2))
     png = plot_runs(runs, out / "eval_loss.png")
     print(format_table(runs))

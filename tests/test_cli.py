@@ -109,10 +109,14 @@ def test_a_peer_started_before_its_bootstrap_joins_once_it_is_up(local_swarm):
 
 def test_simulate_writes_results_and_plot(tmp_path):
     result = run_cli("simulate", "--replicas", "2", "--rounds", "2", "--out", str(tmp_path), "--codec", "int8",
-                     "--set", "outer.inner_steps=5", "--set", "data.max_bytes=200_000", "--set", "run.threads=1",
-                     timeout=300)
+                     "--pretrain", "20", "--set", "outer.inner_steps=5", "--set", "data.max_bytes=200_000",
+                     "--set", "run.threads=1", timeout=300)
     assert result.returncode == 0, result.stderr
-    runs = {r["name"]: r for r in json.loads((tmp_path / "simulate.json").read_text())["runs"]}
+    saved = json.loads((tmp_path / "simulate.json").read_text())
+    runs = {r["name"]: r for r in saved["runs"]}
+    # every run starts from the same pretrained weights (from scratch the eval loss is ~5.2, ln 256 = 5.5)
+    assert saved["pretrain"] == 20 and len({r["eval_loss"][0] for r in runs.values()}) == 1
+    assert runs["single"]["eval_loss"][0] < 4.0
     assert set(runs) == {"single", "kx_batch-k2", "diloco-k2-int8-blocking"}
     assert runs["kx_batch-k2"]["tokens"][-1] == runs["diloco-k2-int8-blocking"]["tokens"][-1] == 2 * 2 * 5 * 8 * 128
     assert all(r["final_eval_loss"] < r["eval_loss"][0] for r in runs.values())
