@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PEERS ?= 3
 ROUNDS ?= 5
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-deps clean
 
 install: $(VENV)/.installed
 
@@ -20,8 +20,21 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(VENV)/bin/diloco-peer demo --peers $(PEERS) --rounds $(ROUNDS) --out runs/demo
 
-test: install
+test: install test-deps
 	$(PY) -m pytest -q --durations=10
+
+# Debian tools the tests use: prometheus (+ promtool) scrapes a test swarm and lints the metrics,
+# docker-compose validates docker-compose.yml. Installed when missing (needs root and Debian's registry).
+DEBIAN_TEST_TOOLS := prometheus:prometheus promtool:prometheus docker-compose:docker-compose
+test-deps:
+	@missing=""; for pair in $(DEBIAN_TEST_TOOLS); do command -v $${pair%%:*} >/dev/null 2>&1 || \
+		missing="$$missing $${pair##*:}"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages for the tests:$$missing"; \
+		(apt-get install -y -qq $$missing >/dev/null 2>&1 || \
+		 (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $$missing >/dev/null 2>&1)) || \
+		echo "warning: could not install$$missing; the tests that need them will be skipped"; \
+	fi
 
 clean:
 	rm -rf $(VENV) runs *.egg-info .pytest_cache

@@ -5,28 +5,38 @@
 It trains nothing. It keeps a stable peer id (``--identity``; the key is created on first run), prints
 the exact ``diloco-peer join ...`` line to give to volunteers, stores and validates the run's signed
 progress records like any DHT node, and logs a one-line summary of the swarm every ``--report-every``
-seconds. Deploy files (a systemd unit) live in ``bootstrap/`` at the top of the repository.
+seconds. With ``--metrics-port`` it serves the swarm-wide gauges of ``monitor.py`` on ``/metrics``.
+``diloco-peer status <bootstrap>`` (``run_status``) prints the same view as a table. Deploy files
+(a systemd unit) live in ``bootstrap/`` at the top of the repository.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import signal
+import time
+from pathlib import Path
 
-from .config import SwarmConfig
+from .config import MetricsConfig, SwarmConfig
+from .metrics import MetricsServer
+from .monitor import SwarmMonitor, format_status, status_json, summarize
 from .progress import add_progress_validators, fetch_progress
 from .swarm import join_address, start_dht, visible_addresses
 
 logger = logging.getLogger("diloco_peer.bootstrap")
 
+MONITOR_REFRESH_SECONDS = 5.0
+
 
 async def run_bootstrap(
     listen: list[str], announce: list[str], identity: str, initial_peers: list[str], run_id: str,
-    report_every: float,
+    report_every: float, metrics: MetricsConfig | None = None, address_file: str = "",
 ) -> int:
     cfg = SwarmConfig(host_maddrs=listen, announce_maddrs=announce, identity_path=identity)
+    monitor = SwarmMonitor(run_id)
+    # before the DHT starts: a busy metrics port fails at once, with nothing to tear down
+    server = MetricsServer(monitor, metrics) if metrics is not None and metrics.port else None
     dht = await asyncio.to_thread(start_dht, cfg, initial_peers)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -37,23 +47,47 @@ async def run_bootstrap(
         address = join_address(dht)
         # the exact line to paste; tests and the demo parse it, so keep its shape stable
         print(f"diloco-peer join {address}", flush=True)
+        if address_file:  # written whole, then renamed: a reader never sees half an address
+            path = Path(address_file)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.with_suffix(".tmp").write_text(address + "\n")
+            path.with_suffix(".tmp").replace(path)
         others = [a for a in visible_addresses(dht) if a != address]
         if others:
             print(f"(other addresses of this node: {' '.join(others)})", flush=True)
         logger.info(f"bootstrap node up for run '{run_id}', peer id {dht.peer_id.to_base58()}")
+        refresh = min(report_every, MONITOR_REFRESH_SECONDS)  # the gauges stay fresh between log lines
+        last_report = time.monotonic()
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), timeout=report_every)
+                await asyncio.wait_for(stop.wait(), timeout=refresh)
             except TimeoutError:
-                records = await fetch_progress(dht, run_id)
-                if records:
-                    epochs = collections.Counter(r.epoch for r in records)
-                    ready = sum(r.ready for r in records)
-                    by_epoch = ", ".join(f"epoch {e}: {n}" for e, n in sorted(epochs.items()))
-                    logger.info(f"swarm '{run_id}': {len(records)} peers ({by_epoch}); {ready} waiting for a round")
-                else:
-                    logger.info(f"swarm '{run_id}': no training peers yet")
+                summary = monitor.update(await fetch_progress(dht, run_id))
+                if time.monotonic() - last_report >= report_every - 1e-3:
+                    last_report = time.monotonic()
+                    logger.info(format_status(summary, run_id).splitlines()[0] if summary.peers
+                                else f"run '{run_id}': no training peers yet")
         logger.info("bootstrap node shutting down")
+        return 0
+    finally:
+        await asyncio.to_thread(dht.shutdown)
+        if server is not None:
+            server.close()
+
+
+async def run_status(bootstrap: list[str], run_id: str, as_json: bool, wait: float) -> int:
+    """``diloco-peer status``: join the DHT as a client, print the swarm's table, leave."""
+    cfg = SwarmConfig(host_maddrs=["/ip4/0.0.0.0/tcp/0"], startup_timeout=max(wait, 1.0))
+    dht = await asyncio.to_thread(start_dht, cfg, bootstrap, client_mode=True)
+    try:
+        add_progress_validators(dht, run_id)
+        deadline = time.monotonic() + wait
+        records = await fetch_progress(dht, run_id)
+        while not records and time.monotonic() < deadline:  # a fresh client may need a moment to find the nodes
+            await asyncio.sleep(1.0)
+            records = await fetch_progress(dht, run_id)
+        summary = summarize(records)
+        print(status_json(summary, run_id) if as_json else format_status(summary, run_id), flush=True)
         return 0
     finally:
         await asyncio.to_thread(dht.shutdown)

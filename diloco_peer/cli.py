@@ -47,6 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--report-every", type=float, default=30.0, metavar="SECONDS",
                       help="seconds between swarm summaries in the log (default 30)")
 
+    boot.add_argument("--address-file", default="", metavar="PATH",
+                      help="also write the join address to this file (for containers that start peers from it)")
+    boot.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                      help="serve the swarm's Prometheus metrics and /healthz on this port (default 0: off)")
+    boot.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                      help="interface for --metrics-port (default 127.0.0.1; 0.0.0.0 for a remote Prometheus)")
+
+    status = sub.add_parser("status", help="print the swarm's peers, states, losses and throughput")
+    status.add_argument("bootstrap", nargs="+", metavar="BOOTSTRAP_MULTIADDR", help="a bootstrap node's address")
+    status.add_argument("--run-id", default="diloco-tiny", help="the run to show (default diloco-tiny)")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
+                        help="how long to look for records before reporting an empty swarm (default 10)")
+
     join = sub.add_parser("join", help="join a swarm and train")
     join.add_argument("bootstrap", nargs="+", metavar="BOOTSTRAP_MULTIADDR",
                       help="address printed by a bootstrap node, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...")
@@ -65,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--churn", default="", metavar="SCHEDULE",
                       help='kill, stop and add peers during the run, e.g. "kill:2@round2,join:1@round3,term:1@round4" '
                            "(an item fires when round R begins averaging)")
+    demo.add_argument("--metrics-port-base", type=int, default=0, metavar="P",
+                      help="serve the bootstrap's metrics on port P and peer i's on P+1+i (default 0: none)")
     demo.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
                       help="give up if the swarm has not finished after this long (default 900)")
     sim = sub.add_parser("simulate", help="K DiLoCo replicas in one process (no network) against the baselines")
@@ -100,9 +116,21 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.command == "bootstrap":
         from .bootstrap_node import run_bootstrap
+        from .config import ConfigError, MetricsConfig
 
+        if not 0 <= args.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port {args.metrics_port} is not a TCP port: use 1-65535, or 0 for none")
+        metrics = MetricsConfig(port=args.metrics_port, host=args.metrics_host)
         return uvloop.run(run_bootstrap(args.listen or ["/ip4/0.0.0.0/tcp/0"], args.announce, args.identity,
-                                        args.initial_peer, args.run_id, args.report_every))
+                                        args.initial_peer, args.run_id, args.report_every, metrics,
+                                        args.address_file))
+    if args.command == "status":
+        from .bootstrap_node import run_status
+        from .swarm import parse_multiaddr
+
+        for addr in args.bootstrap:
+            parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
+        return uvloop.run(run_status(args.bootstrap, args.run_id, args.json, args.wait))
     overrides = list(args.overrides)
     if args.command == "join":
         from .daemon import PeerDaemon

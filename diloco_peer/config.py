@@ -197,6 +197,15 @@ class CheckpointConfig(_Section):
     """Checkpoints to keep; older ones are deleted once a newer one is safely on disk."""
 
 
+class MetricsConfig(_Section):
+    """Prometheus metrics of this peer (see metrics.py)."""
+
+    port: int = Field(0, ge=0, le=65535)
+    """Serve ``/metrics`` and ``/healthz`` on this TCP port; 0 serves none."""
+    host: str = "127.0.0.1"
+    """Interface to serve them on; ``0.0.0.0`` lets a Prometheus on another host (or container) scrape."""
+
+
 class PeerConfig(_Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -206,6 +215,7 @@ class PeerConfig(_Section):
     averaging: AveragingConfig = AveragingConfig()
     swarm: SwarmConfig = SwarmConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
     def _check_cross(self) -> PeerConfig:

@@ -37,6 +37,7 @@ from .checkpoint import CheckpointManager, capture, restore
 from .config import PeerConfig
 from .data import Corpus, shard_for_peer
 from .events import EventLog
+from .metrics import MetricsServer, PeerMetrics
 from .model import build_model, num_parameters
 from .outer_optimizer import OuterOptimizer
 from .progress import SwarmProgress
@@ -69,6 +70,8 @@ class PeerDaemon:
         self.events: EventLog | None = None
         self.first_contribution: float | None = None
         """Seconds from process start to the first round this peer averaged with others."""
+        self.metrics = PeerMetrics()
+        """Fed by the event log; served on ``metrics.port`` when set."""
 
     def _request_stop(self, signame: str) -> None:
         if self.stopping:
@@ -93,12 +96,16 @@ class PeerDaemon:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
 
+        # before joining: a busy port fails at once, and /healthz says "joining" while we look for the swarm
+        server = MetricsServer(self.metrics, cfg.metrics) if cfg.metrics.port else None
         self._children_before = {c.pid for c in psutil.Process().children(recursive=True)}
         reaper = Reaper()  # if we are SIGKILLed, our children (DHT, averager, p2pd) must not live on
         try:
             return await self._run(reaper)
         finally:
             reaper.close()
+            if server is not None:
+                server.close()
 
     def _watch_children(self, reaper: Reaper) -> None:
         # the processes we started (not the host's other children, e.g. in tests); torch's shared-memory
@@ -117,7 +124,7 @@ class PeerDaemon:
         try:
             peer_id = dht.peer_id.to_base58()
             self.name = self.name or f"peer-{peer_id[-8:]}"
-            events = self.events = EventLog(Path(cfg.run.log_dir) / f"{self.name}.jsonl")
+            events = self.events = EventLog(Path(cfg.run.log_dir) / f"{self.name}.jsonl", self.metrics.observe)
             shard = cfg.data.shard if cfg.data.shard >= 0 else shard_for_peer(peer_id, cfg.data.num_shards)
             corpus = await asyncio.to_thread(Corpus, cfg.data, shard, cfg.model.vocab_size)
             model = build_model(cfg.model, cfg.run.seed)
@@ -138,6 +145,8 @@ class PeerDaemon:
                                          cfg.averaging, on_serve=lambda epoch, size: events.write(
                                              "serve", peer=self.name, epoch=epoch, bytes=size))
             progress = SwarmProgress(dht, cfg.run.run_id, peer_id, cfg.averaging.heartbeat)
+            self.metrics.name = self.name
+            progress.stats_provider = self.metrics.swarm_stats  # the swarm monitor reads these from the DHT
             await progress.publish(epoch=outer.epoch, inner_step=trainer.step, state_hash=sync.state_hash)
             progress.start_heartbeat()
 
@@ -245,8 +254,9 @@ class PeerDaemon:
             weighted_loss += stats.loss * stats.steps
             progress.record = progress.record.copy(update={"inner_step": trainer.step})  # sent with the heartbeat
             tokens_per_second = stats.tokens / max(stats.seconds, 1e-9)
-            events.write("progress", peer=self.name, epoch=epoch, inner_step=trainer.step, loss=stats.loss,
-                         lr=stats.lr, tokens=stats.tokens, tokens_per_second=tokens_per_second)
+            events.write("progress", peer=self.name, epoch=epoch, inner_step=trainer.step, steps=stats.steps,
+                         seconds=stats.seconds, loss=stats.loss, lr=stats.lr, tokens=stats.tokens,
+                         tokens_per_second=tokens_per_second)
             if time.monotonic() - self._last_log >= PROGRESS_LOG_SECONDS:
                 self._last_log = time.monotonic()
                 logger.info(f"round {epoch + 1}: inner step {trainer.step - epoch * H}/{H} | "

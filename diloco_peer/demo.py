@@ -95,6 +95,13 @@ def run_demo(args) -> int:
         return 2
     cfg = load_config(args.config, args.overrides)
     actions = parse_churn(args.churn or "", args.peers, args.rounds)
+    joiners = sum(a.count for a in actions if a.action == "join")
+    last_port = args.metrics_port_base + args.peers + joiners
+    if args.metrics_port_base and not 1024 <= args.metrics_port_base <= last_port <= 65535:
+        print(f"diloco-peer: error: --metrics-port-base {args.metrics_port_base} needs ports up to {last_port} "
+              f"(bootstrap + {args.peers + joiners} peers): pick a base from 1024 to {65535 - args.peers - joiners}",
+              file=sys.stderr)
+        return 2
     out = Path(args.out)
     if out.exists():
         for old in [*out.glob("*.jsonl"), *out.glob("*.log"), *out.glob("*.key")]:
@@ -112,7 +119,8 @@ def run_demo(args) -> int:
     with boot_log.open("w") as boot_out:
         bootstrap = subprocess.Popen(
             _python_cmd("bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--run-id", cfg.run.run_id,
-                        "--report-every", "10"),
+                        "--report-every", "10",
+                        *(["--metrics-port", str(args.metrics_port_base)] if args.metrics_port_base else [])),
             stdout=boot_out, stderr=subprocess.STDOUT,
         )
 
@@ -123,6 +131,8 @@ def run_demo(args) -> int:
                 f"averaging.min_peers={args.peers}", *args.overrides,
                 f"run.max_rounds={args.rounds}", f"run.log_dir={json.dumps(str(out))}",
                 f"checkpoint.dir={json.dumps(str(out / 'checkpoints'))}"]
+        if args.metrics_port_base:
+            sets.append(f"metrics.port={args.metrics_port_base + 1 + index}")
         cmd = _python_cmd("join", address, "--name", name, *(["--config", args.config] if args.config else []))
         for item in sets:
             cmd += ["--set", item]
@@ -155,6 +165,9 @@ def run_demo(args) -> int:
     try:
         address = _wait_for_join_line(boot_log, bootstrap)
         print(f"demo: bootstrap node at {address}", flush=True)
+        if args.metrics_port_base:
+            print(f"demo: metrics on http://127.0.0.1:{args.metrics_port_base}/metrics (swarm) and ports "
+                  f"{args.metrics_port_base + 1}.. (peer i on {args.metrics_port_base}+1+i)", flush=True)
         for i in range(args.peers):
             start_peer(i)
         progress = _Progress(args.peers, args.rounds)

@@ -10,25 +10,36 @@ a round the moment it ends.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 class EventLog:
-    def __init__(self, path: Path):
-        self.path = path
+    """Appends events to ``path``; ``on_event(event)``, if given, sees each one too (the metrics do)."""
+
+    def __init__(self, path: Path, on_event: Callable[[dict], None] | None = None):
+        self.path, self.on_event = path, on_event
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", encoding="utf-8")
         self._lock = threading.Lock()  # state sync writes ``serve`` events from hivemind's thread
 
     def write(self, event: str, **fields) -> None:
-        line = json.dumps({"event": event, "time": time.time(), **fields}) + "\n"
+        record = {"event": event, "time": time.time(), **fields}
+        line = json.dumps(record) + "\n"
         with self._lock:
             if not self._file.closed:
                 self._file.write(line)
                 self._file.flush()
+            if self.on_event is not None:
+                try:
+                    self.on_event(record)
+                except Exception:  # an observer's bug must not stop training; the log line is written
+                    logger.exception(f"event observer failed on a {event!r} event")
 
     def close(self) -> None:
         with self._lock:

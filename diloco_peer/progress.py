@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hivemind.dht import DHT
@@ -23,9 +24,22 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
-from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, conint
+from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint, constr
 
 logger = logging.getLogger(__name__)
+
+
+class PeerStats(BaseModel):
+    """What the swarm monitor (bootstrap node, ``diloco-peer status``) shows of a peer; no scraping needed."""
+
+    name: constr(max_length=64, strict=True)
+    state: constr(regex=r"^(joining|training|averaging|leaving)$", strict=True)
+    tokens_per_second: confloat(ge=0, le=1e12, strict=True)
+    train_loss: confloat(ge=0, le=1e6, strict=True) | None
+    eval_loss: confloat(ge=0, le=1e6, strict=True) | None
+    rounds_averaged: conint(ge=0, strict=True)
+    rounds_solo: conint(ge=0, strict=True)
+    rounds_failed: conint(ge=0, strict=True)
 
 
 class ProgressRecord(BaseModel):  # pydantic v1: hivemind's SchemaValidator speaks v1
@@ -38,6 +52,8 @@ class ProgressRecord(BaseModel):  # pydantic v1: hivemind's SchemaValidator spea
     state_hash: StrictStr = ""
     """sha256 of the peer's outer weights at ``epoch``: peers that agree hold the same bytes."""
     time: StrictFloat
+    stats: PeerStats | None = None
+    """Loss, throughput and round counts for the swarm monitor, refreshed with every publication."""
 
 
 class ProgressSchema(BaseModel):
@@ -100,9 +116,13 @@ class SwarmProgress:
         self.subkey = add_progress_validators(dht, run_id)
         self.record = ProgressRecord(peer_id=peer_id, epoch=0, inner_step=0, tokens=0, ready=False, time=time.time())
         self._heartbeat_task: asyncio.Task | None = None
+        self.stats_provider: Callable[[], dict] | None = None
+        """Returns the current ``PeerStats`` fields; called at every publication (the heartbeat included)."""
 
     async def publish(self, **changes) -> None:
         """Update fields of our record (epoch, inner_step, tokens, ready) and store it now."""
+        if self.stats_provider is not None:
+            changes["stats"] = PeerStats(**self.stats_provider())
         self.record = self.record.copy(update={**changes, "time": time.time()})
         await self._store(self.record.dict())
 

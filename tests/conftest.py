@@ -59,8 +59,12 @@ class LocalSwarm:
         self.address = ""
 
     def spawn(self, args: list[str], log_name: str, env: dict | None = None) -> subprocess.Popen:
+        return self.spawn_external(diloco_cmd(*args), log_name, env)
+
+    def spawn_external(self, cmd: list[str], log_name: str, env: dict | None = None) -> subprocess.Popen:
+        """Any program (e.g. a real Prometheus), reaped with the swarm."""
         with (self.workdir / log_name).open("w") as log:
-            proc = subprocess.Popen(diloco_cmd(*args), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     cwd=self.workdir, env={**os.environ, **(env or {})})
         self.procs.append(proc)
         return proc

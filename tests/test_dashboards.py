@@ -1,0 +1,116 @@
+"""What `docker compose up` deploys, tested with the real parts: the compose file against Debian's
+docker-compose, the dashboards against a real Prometheus scraping a real local swarm."""
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import diloco_cmd
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_compose_file_is_valid_and_deploys_the_whole_stack():
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose (Debian package docker-compose) is not installed; `make test` installs it")
+    for profile in ([], ["--profile", "gpu"]):
+        result = subprocess.run(["docker-compose", *profile, "-f", str(ROOT / "docker-compose.yml"), "config"],
+                                capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    assert {"bootstrap", "peer", "peer-gpu", "prometheus", "grafana"} <= set(services)
+    peer = services["peer"]
+    assert peer["depends_on"]["bootstrap"]["condition"] == "service_healthy"
+    assert "healthcheck" in services["bootstrap"] and "healthcheck" in peer
+    assert "container_name" not in peer and "ports" not in peer  # so that `--scale peer=N` works
+    grace = peer["stop_grace_period"]
+    assert grace.endswith("s") and int(grace[:-1]) > 30  # longer than the daemon's own run.shutdown_grace
+    assert services["peer-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    mounts = " ".join(str(v) for v in peer["volumes"])
+    assert "checkpoints" in mounts and "identity" in mounts
+    for dashboard in DASHBOARDS:  # provisioned from the folder grafana mounts
+        assert json.loads(dashboard.read_text())["panels"]
+
+
+def _query(port: int, expr: str) -> list:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as response:
+        body = json.load(response)
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def _prometheus_config(bootstrap_port: int, peer_ports: list[int]) -> dict:
+    """The compose config with its targets moved to loopback: DNS discovery of the peers becomes a static list."""
+    cfg = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    cfg["global"]["scrape_interval"] = cfg["global"]["evaluation_interval"] = "1s"
+    jobs = {job["job_name"]: job for job in cfg["scrape_configs"]}
+    jobs["diloco-bootstrap"]["static_configs"] = [{"targets": [f"127.0.0.1:{bootstrap_port}"]}]
+    del jobs["diloco-peer"]["dns_sd_configs"]
+    jobs["diloco-peer"]["static_configs"] = [{"targets": [f"127.0.0.1:{p}" for p in peer_ports]}]
+    return cfg
+
+
+def test_every_dashboard_panel_shows_data_from_a_real_swarm(local_swarm, tmp_path):
+    if shutil.which("prometheus") is None:
+        pytest.skip("prometheus (Debian package prometheus) is not installed; `make test` installs it")
+    boot_port, prom_port, peer_ports = _free_port(), _free_port(), [_free_port(), _free_port()]
+    address = local_swarm.start_bootstrap("--metrics-port", str(boot_port))
+    sets = ["averaging.min_peers=2", "outer.inner_steps=5", f"checkpoint.dir={json.dumps(str(tmp_path / 'ckpt'))}"]
+    for i, port in enumerate(peer_ports):
+        local_swarm.start_peer(f"p{i}", *sets, f"metrics.port={port}")
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump(_prometheus_config(boot_port, peer_ports)))
+    prometheus = local_swarm.spawn_external(
+        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{prom_port}"], "prometheus.log")
+
+    # enough history for rate() and increase(): several rounds, scraped every second
+    deadline = time.monotonic() + 240
+    while True:
+        assert time.monotonic() < deadline, (local_swarm.workdir / "prometheus.log").read_text()[-3000:]
+        assert prometheus.poll() is None, (local_swarm.workdir / "prometheus.log").read_text()[-3000:]
+        rounds = [e for e in local_swarm.events("p1") if e["event"] == "round"]
+        try:
+            up = _query(prom_port, "up == 1")
+        except OSError:
+            up = []
+        if len(rounds) >= 4 and len(up) == 3 and len(_query(prom_port, "diloco_swarm_peers == 2")) == 1:
+            break
+        time.sleep(1)
+    time.sleep(3)
+
+    empty = []
+    for dashboard in DASHBOARDS:
+        panels = json.loads(dashboard.read_text())["panels"]
+        for panel in panels:
+            for target in panel["targets"]:
+                expr = target["expr"].replace("$instance", ".*")
+                if not _query(prom_port, expr):
+                    empty.append(f"{dashboard.name}: '{panel['title']}': {expr}")
+    assert not empty, "panels without data:\n" + "\n".join(empty)
+    assert float(_query(prom_port, "diloco_swarm_epoch")[0]["value"][1]) >= 3
+
+    # the same view for people without Grafana
+    status = subprocess.run(diloco_cmd("status", address, "--wait", "20"), capture_output=True, text=True,
+                            timeout=120)
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    assert "2 peers" in lines[0] and "epoch" in lines[0], status.stdout
+    assert sorted(line.split()[0] for line in lines[2:]) == ["p0", "p1"], status.stdout

@@ -1,0 +1,149 @@
+"""Per-peer Prometheus metrics: fed by the event log, named by Prometheus' conventions, served over HTTP."""
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import diloco_cmd
+from prometheus_client.parser import text_string_to_metric_families
+from test_cli import GOOD_ADDR
+
+from diloco_peer.metrics import PeerMetrics
+
+START = {"event": "start", "time": 100.0, "peer": "p0", "peer_id": "12D3KooWtest", "fingerprint": "abc", "epoch": 0,
+         "eval_loss": 5.2}
+PROGRESS = {"event": "progress", "time": 101.0, "peer": "p0", "epoch": 0, "inner_step": 5, "steps": 5,
+            "seconds": 0.5, "loss": 4.0, "lr": 1e-3, "tokens": 5120, "tokens_per_second": 10240.0}
+ROUND = {"event": "round", "time": 103.0, "peer": "p0", "round": 1, "epoch": 0, "outcome": "averaged",
+         "group_size": 3, "wait_seconds": 0.25, "allreduce_seconds": 1.5, "bytes_sent": 1000, "bytes_received": 3000,
+         "values_not_averaged": 0, "train_loss": 3.9, "eval_loss": 3.5, "inner_lr": 9e-4, "outer_lr": 0.7}
+
+
+def _value(metrics, metric, /, **labels):
+    return metrics.registry.get_sample_value(metric, labels)
+
+
+def test_events_drive_the_metrics():
+    m = PeerMetrics()
+    assert _value(m, "diloco_outer_rounds_total", outcome="solo") == 0  # labelled counters exist from the start
+    for event in (START, PROGRESS, PROGRESS, ROUND,
+                  {**ROUND, "round": 2, "outcome": "solo", "group_size": 1, "allreduce_seconds": 0.0, "bytes_sent": 0,
+                   "bytes_received": 0, "time": 110.0},
+                  {"event": "sync", "time": 111.0, "ok": True, "epoch": 5, "seconds": 0.4, "bytes": 2_000_000},
+                  {"event": "sync", "time": 112.0, "ok": False, "epoch": 5, "seconds": 5.0, "bytes": 0},
+                  {"event": "serve", "time": 113.0, "epoch": 5, "bytes": 2_500_000},
+                  {"event": "checkpoint", "time": 114.0, "epoch": 5, "seconds": 0.08, "bytes": 6_000_000},
+                  {"event": "no-such-event", "time": 115.0}):
+        m.observe(event)
+    assert _value(m, "diloco_tokens_total") == 10240 and _value(m, "diloco_inner_steps_total") == 10
+    assert _value(m, "diloco_outer_rounds_total", outcome="averaged") == 1
+    assert _value(m, "diloco_outer_rounds_total", outcome="solo") == 1
+    assert _value(m, "diloco_outer_rounds_total", outcome="failed") == 0
+    assert _value(m, "diloco_outer_epoch") == 5  # the sync moved us to epoch 5
+    assert _value(m, "diloco_eval_loss") == 3.5 and _value(m, "diloco_train_loss") == 4.0
+    assert _value(m, "diloco_group_size") == 1 and _value(m, "diloco_outer_learning_rate") == 0.7
+    assert _value(m, "diloco_allreduce_duration_seconds_count") == 1  # solo rounds have no all-reduce
+    assert _value(m, "diloco_allreduce_duration_seconds_bucket", le="2.5") == 1
+    assert _value(m, "diloco_allreduce_duration_seconds_bucket", le="1.0") == 0
+    assert _value(m, "diloco_sent_bytes_total", kind="pseudo_gradient") == 1000
+    assert _value(m, "diloco_received_bytes_total", kind="pseudo_gradient") == 3000
+    assert _value(m, "diloco_received_bytes_total", kind="state_sync") == 2_000_000
+    assert _value(m, "diloco_sent_bytes_total", kind="state_sync") == 2_500_000
+    assert _value(m, "diloco_phase_seconds_total", phase="compute") == 1.0
+    assert _value(m, "diloco_phase_seconds_total", phase="waiting") == 0.5
+    assert _value(m, "diloco_phase_seconds_total", phase="communication") == pytest.approx(1.5 + 0.4 + 5.0)
+    assert _value(m, "diloco_state_syncs_total", result="ok") == _value(m, "diloco_state_syncs_total",
+                                                                        result="failed") == 1
+    assert _value(m, "diloco_checkpoint_duration_seconds_count") == 1
+    assert _value(m, "diloco_last_outer_step_timestamp_seconds") == 110.0
+    assert _value(m, "diloco_peer_info", peer_id="12D3KooWtest", name="p0", fingerprint="abc") == 1
+    assert m.status == {"status": "training", "epoch": 5, "last_outer_step": 110.0}
+    assert m.swarm_stats() == {"name": "p0", "state": "training", "tokens_per_second": 10240.0, "train_loss": 3.9,
+                               "eval_loss": 3.5, "rounds_averaged": 1, "rounds_solo": 1, "rounds_failed": 0}
+    m.observe({"event": "stop", "time": 120.0})
+    assert _value(m, "diloco_peer_up") == 0 and m.status["status"] == "leaving"
+    assert m.swarm_stats()["state"] == "leaving"
+
+
+def test_metric_names_follow_prometheus_conventions():
+    m = PeerMetrics()
+    for event in (START, PROGRESS, ROUND):
+        m.observe(event)
+    text = m.exposition().decode()
+    families = list(text_string_to_metric_families(text))
+    ours = [f for f in families if f.name.startswith("diloco_")]
+    assert len(ours) >= 20 and len(ours) == len(families)  # one prefix, nothing else in the registry
+    for family in ours:
+        assert ":" not in family.name and family.documentation, family.name
+        if family.type == "counter":
+            assert all(s.name.endswith(("_total", "_created")) for s in family.samples), family.name
+        labels = {k for s in family.samples for k in s.labels}
+        assert "peer_id" not in labels or family.name == "diloco_peer_info", family.name  # high cardinality: info only
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool (Debian package prometheus) is not installed; .ci/run installs it")
+    lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.mark.slow
+def test_running_peers_serve_metrics_and_health(local_swarm):
+    local_swarm.start_bootstrap()
+    ports = [_free_port(), _free_port()]
+    sets = ["averaging.min_peers=2", "run.max_rounds=0", "outer.inner_steps=5"]
+    procs = [local_swarm.start_peer(f"p{i}", *sets, f"metrics.port={port}") for i, port in enumerate(ports)]
+    base = f"http://127.0.0.1:{ports[0]}"
+    deadline = time.monotonic() + 180
+    while not sum(e["event"] == "round" for e in local_swarm.events("p0")) >= 2:
+        assert time.monotonic() < deadline and procs[0].poll() is None, (local_swarm.workdir / "p0.log").read_text()
+        time.sleep(0.5)
+    code, body = _get(f"{base}/healthz")
+    assert code == 200 and json.loads(body)["status"] == "training", body
+    code, text = _get(f"{base}/metrics")
+    assert code == 200
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    rounds = [e for e in local_swarm.events("p0") if e["event"] == "round"]
+    averaged = sum(e["outcome"] == "averaged" for e in rounds)
+    assert samples[("diloco_outer_rounds_total", (("outcome", "averaged"),))] >= averaged >= 1
+    assert samples[("diloco_outer_epoch", ())] >= 2 and samples[("diloco_tokens_total", ())] > 0
+    assert samples[("diloco_sent_bytes_total", (("kind", "pseudo_gradient"),))] > 0
+    assert samples[("diloco_phase_seconds_total", (("phase", "compute"),))] > 0
+    assert samples[("diloco_last_outer_step_timestamp_seconds", ())] > time.time() - 120
+    assert _get(f"{base}/nothing-here")[0] == 404
+    for proc in procs:
+        proc.terminate()
+    assert all(proc.wait(timeout=60) == 0 for proc in procs)
+    with pytest.raises(OSError):  # the server went away with the peer
+        urllib.request.urlopen(f"{base}/healthz", timeout=2)
+
+
+def test_a_busy_metrics_port_is_a_one_line_error():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            diloco_cmd("join", GOOD_ADDR, "--set", f"metrics.port={port}", "--set", "swarm.join_timeout=0"),
+            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and f"metrics.port={port}" in errors[0] and "pick a free port" in errors[0], errors
