@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from . import __version__
 
@@ -83,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="serve the bootstrap's metrics on port P and peer i's on P+1+i (default 0: none)")
     demo.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
                       help="give up if the swarm has not finished after this long (default 900)")
+    plot = sub.add_parser("plot", help="plot loss and throughput from peers' event logs into a PNG")
+    plot.add_argument("logs", nargs="+", metavar="LOG_OR_DIR", help="runs/<peer>.jsonl files, or directories of them")
+    plot.add_argument("--out", default="plot.png", metavar="PNG", help="the PNG to write (default plot.png)")
+
     sim = sub.add_parser("simulate", help="K DiLoCo replicas in one process (no network) against the baselines")
     _add_config_args(sim)
     sim.add_argument("--replicas", type=int, default=4, help="K, the number of DiLoCo replicas (default 4)")
@@ -112,11 +117,10 @@ def _run(args: argparse.Namespace) -> int:
     # heavy imports (torch, hivemind) only once we know which command runs
     import uvloop
 
-    from .config import load_config
+    from .config import ConfigError, MetricsConfig, load_config
 
     if args.command == "bootstrap":
         from .bootstrap_node import run_bootstrap
-        from .config import ConfigError, MetricsConfig
 
         if not 0 <= args.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port {args.metrics_port} is not a TCP port: use 1-65535, or 0 for none")
@@ -124,6 +128,15 @@ def _run(args: argparse.Namespace) -> int:
         return uvloop.run(run_bootstrap(args.listen or ["/ip4/0.0.0.0/tcp/0"], args.announce, args.identity,
                                         args.initial_peer, args.run_id, args.report_every, metrics,
                                         args.address_file))
+    if args.command == "plot":
+        from .report import find_logs, plot_losses
+
+        try:
+            logs = find_logs(args.logs)
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
+        print(f"wrote {plot_losses(logs, Path(args.out))} ({len(logs)} peers: {', '.join(logs)})")
+        return 0
     if args.command == "status":
         from .bootstrap_node import run_status
         from .swarm import parse_multiaddr

@@ -23,14 +23,18 @@ SIGTERM/SIGINT: finish the current inner step, write a checkpoint, withdraw from
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
 import psutil
 import torch
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .averaging_round import RoundAverager, RoundResult
 from .checkpoint import CheckpointManager, capture, restore
@@ -72,6 +76,9 @@ class PeerDaemon:
         """Seconds from process start to the first round this peer averaged with others."""
         self.metrics = PeerMetrics()
         """Fed by the event log; served on ``metrics.port`` when set."""
+        self._saved_epoch = -1  # the epoch of the last periodic checkpoint
+        self.tty = sys.stderr.isatty()
+        """On a terminal: a live status bar per round (log lines print above it); else periodic log lines."""
 
     def _request_stop(self, signame: str) -> None:
         if self.stopping:
@@ -101,7 +108,8 @@ class PeerDaemon:
         self._children_before = {c.pid for c in psutil.Process().children(recursive=True)}
         reaper = Reaper()  # if we are SIGKILLed, our children (DHT, averager, p2pd) must not live on
         try:
-            return await self._run(reaper)
+            with logging_redirect_tqdm() if self.tty else contextlib.nullcontext():
+                return await self._run(reaper)
         finally:
             reaper.close()
             if server is not None:
@@ -168,12 +176,14 @@ class PeerDaemon:
                          epoch=outer.epoch, inner_step=trainer.step)
             return 0
         finally:
-            if checkpoints is not None and self.outer is not None:
-                # leaving: save the last round boundary (an unfinished round is dropped, never half-saved)
-                state = capture(self.trainer, self.outer, cfg.fingerprint())
-                state.inner_step = self.outer.epoch * cfg.outer.inner_steps
-                checkpoints.save(state, self._on_checkpoint)
-                checkpoints.close()
+            if checkpoints is not None:
+                # leaving: save the last round boundary (an unfinished round is dropped, never half-saved),
+                # unless the periodic checkpoint of this very boundary is already written (or being written)
+                if self._saved_epoch != self.outer.epoch:
+                    state = capture(self.trainer, self.outer, cfg.fingerprint())
+                    state.inner_step = self.outer.epoch * cfg.outer.inner_steps
+                    checkpoints.save(state, self._on_checkpoint)
+                checkpoints.close()  # waits for the writes in flight
             if progress is not None:
                 await progress.withdraw()
             if averager is not None:
@@ -235,6 +245,7 @@ class PeerDaemon:
             )
             if checkpoints is not None and checkpoints.due(outer.epoch):
                 checkpoints.save(capture(trainer, outer, self.cfg.fingerprint()), self._on_checkpoint)
+                self._saved_epoch = outer.epoch
 
     def _reached_max_rounds(self) -> bool:
         if self.cfg.run.max_rounds and self.outer.epoch >= self.cfg.run.max_rounds:
@@ -247,6 +258,8 @@ class PeerDaemon:
         H = self.cfg.outer.inner_steps
         chunk = max(1, H // PROGRESS_EVENTS_PER_ROUND)
         tokens, compute, weighted_loss = 0, 0.0, 0.0
+        bar = tqdm(total=H, initial=trainer.step - epoch * H, desc=f"round {epoch + 1}", unit="step", leave=False,
+                   dynamic_ncols=True, disable=not self.tty)
         while trainer.step - epoch * H < H and not self.stopping:
             todo = min(chunk, H - (trainer.step - epoch * H))
             stats = await asyncio.to_thread(trainer.train_steps, todo, lambda: self.stopping)
@@ -257,10 +270,13 @@ class PeerDaemon:
             events.write("progress", peer=self.name, epoch=epoch, inner_step=trainer.step, steps=stats.steps,
                          seconds=stats.seconds, loss=stats.loss, lr=stats.lr, tokens=stats.tokens,
                          tokens_per_second=tokens_per_second)
-            if time.monotonic() - self._last_log >= PROGRESS_LOG_SECONDS:
+            bar.update(stats.steps)
+            bar.set_postfix_str(f"loss {stats.loss:.3f} | {tokens_per_second:,.0f} tok/s | lr {stats.lr:.1e}")
+            if not self.tty and time.monotonic() - self._last_log >= PROGRESS_LOG_SECONDS:
                 self._last_log = time.monotonic()
                 logger.info(f"round {epoch + 1}: inner step {trainer.step - epoch * H}/{H} | "
                             f"train loss {stats.loss:.4f} | lr {stats.lr:.2e} | {tokens_per_second:,.0f} tok/s")
+        bar.close()
         return {"tokens": tokens, "compute_seconds": compute, "train_loss": weighted_loss / H}
 
     async def _outer_round(self, trainer: Trainer, outer: OuterOptimizer, averager: RoundAverager,

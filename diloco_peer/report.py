@@ -1,4 +1,4 @@
-"""Reading peers' event logs back: the demo's summary (JSON + table) and the loss-curve plot."""
+"""Reading peers' event logs back: the demo's summary (JSON + table) and the plots (``diloco-peer plot``)."""
 
 from __future__ import annotations
 
@@ -82,31 +82,37 @@ def format_table(summary: dict) -> str:
 
 
 def plot_losses(logs: dict[str, Path], png: Path) -> Path:
-    """Train loss vs tokens (per peer) and eval loss vs outer round, side by side, into one PNG."""
+    """Three panels into one PNG: train loss vs tokens, eval loss vs outer round (per peer), and each
+    peer's inner-step throughput (tokens/s) over wall time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_train, ax_eval, ax_speed) = plt.subplots(1, 3, figsize=(15, 4))
+    t0 = min((e["time"] for path in logs.values() for e in read_events(path)), default=0.0)
     for name, path in logs.items():
-        tokens, train_x, train_y, eval_x, eval_y = 0, [], [], [], []
+        tokens, train_x, train_y, eval_x, eval_y, speed_x, speed_y = 0, [], [], [], [], [], []
         for event in read_events(path):
             if event["event"] == "start":
-                eval_x.append(0)
+                eval_x.append(event.get("epoch", 0))
                 eval_y.append(event["eval_loss"])
             elif event["event"] == "progress":
                 tokens += event["tokens"]
                 train_x.append(tokens)
                 train_y.append(event["loss"])
+                speed_x.append(event["time"] - t0)
+                speed_y.append(event["tokens_per_second"])
             elif event["event"] == "round":
                 eval_x.append(event["round"])
                 eval_y.append(event["eval_loss"])
         ax_train.plot(train_x, train_y, label=name, linewidth=1)
         ax_eval.plot(eval_x, eval_y, marker="o", label=name, linewidth=1)
+        ax_speed.plot(speed_x, speed_y, label=name, linewidth=1)
     ax_train.set(xlabel="tokens processed by the peer", ylabel="train loss", title="inner steps")
     ax_eval.set(xlabel="outer round", ylabel="eval loss (held-out)", title="after each outer step")
-    for ax in (ax_train, ax_eval):
+    ax_speed.set(xlabel="seconds since the first event", ylabel="tokens/s", title="inner-step throughput")
+    for ax in (ax_train, ax_eval, ax_speed):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -114,3 +120,20 @@ def plot_losses(logs: dict[str, Path], png: Path) -> Path:
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return png
+
+
+def find_logs(paths: list[str]) -> dict[str, Path]:
+    """Event logs named by the arguments: ``.jsonl`` files, or every ``*.jsonl`` in a directory."""
+    logs = {}
+    for arg in paths:
+        path = Path(arg)
+        if path.is_dir():
+            found = sorted(path.glob("*.jsonl"))
+            if not found:
+                raise FileNotFoundError(f"no event logs (*.jsonl) in {path}: give a peer's runs/ directory or files")
+            logs.update({p.stem: p for p in found})
+        elif path.is_file():
+            logs[path.stem] = path
+        else:
+            raise FileNotFoundError(f"{path} does not exist: give event logs (runs/<peer>.jsonl) or their directory")
+    return logs

@@ -1,14 +1,21 @@
 """The command line against real subprocesses: bad input gets one line and a non-zero exit; the
 bootstrap prints a pasteable join line and keeps its identity across restarts."""
 
+import fcntl
 import json
+import os
+import pty
 import re
 import socket
+import struct
 import subprocess
+import termios
 import time
 
 import pytest
-from conftest import diloco_cmd, p2pd_pids, wait_for_line
+from conftest import FAST, diloco_cmd, p2pd_pids, wait_for_line
+
+from diloco_peer.events import EventLog
 
 PEER_ID = "12D3KooWHQEFuYFG1pGNfSsfDsM5nCiACFRgDLDg5faqtUaKTuzT"
 GOOD_ADDR = f"/ip4/127.0.0.1/tcp/9/p2p/{PEER_ID}"
@@ -35,6 +42,10 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         (["demo", "--peers", "2", "--churn", "kill:2@round1"], 2, "leaves no peer"),
         (["simulate", "--replicas", "0"], 2, "--replicas"),
         (["simulate", "--set", "outer.lr=-1"], 2, "outer.lr"),
+        (["plot", "/no/such/runs"], 2, "/no/such/runs"),
+        (["bootstrap", "--metrics-port", "70000"], 2, "--metrics-port 70000"),
+        (["status", "not-an-address"], 2, "not-an-address"),
+        (["demo", "--metrics-port-base", "65530", "--peers", "8"], 2, "--metrics-port-base 65530"),
     ],
 )
 def test_bad_input_one_line_error(args, code, must_contain):
@@ -121,3 +132,49 @@ def test_simulate_writes_results_and_plot(tmp_path):
     assert runs["kx_batch-k2"]["tokens"][-1] == runs["diloco-k2-int8-blocking"]["tokens"][-1] == 2 * 2 * 5 * 8 * 128
     assert all(r["final_eval_loss"] < r["eval_loss"][0] for r in runs.values())
     assert (tmp_path / "eval_loss.png").stat().st_size > 10_000 and "vs Kx-batch" in result.stdout
+
+
+def test_plot_turns_event_logs_into_a_png(tmp_path):
+    log = EventLog(tmp_path / "p0.jsonl")
+    log.write("start", peer="p0", eval_loss=5.2, epoch=0)
+    for i in range(1, 7):
+        log.write("progress", peer="p0", epoch=(i - 1) // 3, inner_step=i, steps=1, seconds=0.1, loss=5.0 - i / 3,
+                  lr=1e-3, tokens=1024, tokens_per_second=9000.0 + i)
+        if i % 3 == 0:
+            log.write("round", peer="p0", round=i // 3, eval_loss=5.0 - i / 3)
+    log.close()
+    result = run_cli("plot", str(tmp_path), "--out", str(tmp_path / "plots" / "run.png"))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "plots" / "run.png").stat().st_size > 10_000 and "1 peers: p0" in result.stdout
+
+
+@pytest.mark.slow
+def test_join_on_a_terminal_shows_a_live_status_bar(local_swarm):
+    local_swarm.start_bootstrap()
+    cmd = diloco_cmd("join", local_swarm.address, "--name", "tty")
+    for item in [*FAST, "outer.inner_steps=20", "averaging.min_peers=1", "run.max_rounds=2",
+                 f"run.log_dir={json.dumps(str(local_swarm.workdir))}"]:
+        cmd += ["--set", item]
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a terminal has a width
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, cwd=local_swarm.workdir,
+                            start_new_session=True)
+    local_swarm.procs.append(proc)
+    os.close(slave)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the terminal closed: the peer exited
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(master)
+    assert proc.wait(timeout=60) == 0, output.decode(errors="replace")[-3000:]
+    text = output.decode(errors="replace")
+    # the bar redraws in place (carriage returns) with the round, steps, loss and throughput...
+    assert "\r" in text and re.search(r"round 1: +\d+%.*\d+/20", text), text[-3000:]
+    assert "tok/s" in text and "loss " in text
+    # ...and the round's log line still prints, above it
+    assert re.search(r"round 1: solo with group of 1", text) and re.search(r"round 2: solo", text), text[-3000:]
