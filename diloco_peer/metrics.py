@@ -48,7 +48,7 @@ class PeerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         Info("diloco_build", "Version of diloco-peer", registry=r).info({"version": __version__})
-        self.peer = Info("diloco_peer", "Who this peer is: peer id, name, run id, config fingerprint", registry=r)
+        self.peer = Info("diloco_peer", "Who this peer is: peer id, name, config fingerprint", registry=r)
         self.tokens = Counter("diloco_tokens", "Training tokens processed by inner steps", registry=r)
         self.inner_steps = Counter("diloco_inner_steps", "Inner optimizer steps taken", registry=r)
         self.rounds = Counter("diloco_outer_rounds", "Outer rounds by outcome: averaged with a group, solo "
