@@ -40,9 +40,10 @@ from .config import AveragingConfig
 
 _SENT, _RECEIVED, _FAILED_VALUES = 0, 1, 2
 FAULT_ENV = "DILOCO_PEER_FAULT"
-"""Fault injection, for the churn tests only: ``crash_in_allreduce:N`` makes the peer die (SIGKILL, its
-main process too) in the middle of its N-th all-reduce, as a reducer that has received a first part
-and answered nobody yet: the worst moment for the others."""
+"""Fault injection, for the tests only: ``crash_in_allreduce:N`` makes the peer die (SIGKILL, its main
+process too) in the middle of its N-th all-reduce, as a reducer that has received a first part and
+answered nobody yet: the worst moment for the others. ``poison:nan`` / ``poison:X`` make it send NaNs /
+its pseudo-gradient times X: a broken or malicious peer."""
 CODECS = {"none": NoCompression, "fp16": Float16Compression}
 
 
@@ -227,6 +228,8 @@ class RoundAverager:
 
     def __init__(self, dht: DHT, shapes: list[torch.Size], run_id: str, cfg: AveragingConfig):
         self.cfg = cfg
+        fault = os.environ.get(FAULT_ENV, "")
+        self._poison = fault.split(":", 1)[1] if fault.startswith("poison:") else ""
         tensors = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
         # installed before the averager process forks, so that it applies there
         averager_logger = logging.getLogger("hivemind.averaging.averager")
@@ -257,6 +260,10 @@ class RoundAverager:
         with self.averager.get_tensors() as tensors:
             for target, source in zip(tensors, pseudo_gradient):
                 target.copy_(source)
+                if self._poison == "nan":
+                    target.fill_(float("nan"))
+                elif self._poison:
+                    target.mul_(float(self._poison))
         # one matchmaking key per outer epoch: a late peer still averaging epoch e never lands in the group
         # of epoch e+1, where its pseudo-gradient (relative to older weights) would poison everyone's step
         await asyncio.to_thread(self.averager.set_group_bits, format(epoch, "b"))

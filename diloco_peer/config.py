@@ -161,6 +161,10 @@ class AveragingConfig(_Section):
     """State sync: seconds to wait for each chunk of a state download before trying another donor."""
     sync_attempts: int = Field(3, ge=1)
     """State sync: donors to try (one after the other) before giving up until the next round."""
+    max_update_ratio: float = Field(10.0, ge=0)
+    """Refuse an averaged pseudo-gradient whose norm exceeds this many times our own (a weighted mean of
+    honest pseudo-gradients is never longer than the longest of them); non-finite values are always
+    refused. The round then counts as failed and the peer re-syncs. 0 disables the norm check."""
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> AveragingConfig:

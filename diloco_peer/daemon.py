@@ -301,6 +301,8 @@ class PeerDaemon:
         if decision.ready > 1:
             self.events.write("averaging", peer=self.name, epoch=epoch, ready_peers=decision.ready)
             result = await averager.average(pseudo_gradient, weight=inner["tokens"], epoch=epoch)
+            if result.ok and (why := _refuse_update(result.averaged, pseudo_gradient, cfg.averaging.max_update_ratio)):
+                result.ok, result.error = False, f"refused the group's average: {why}"
             outcome = "averaged" if result.ok else "failed"
         else:
             result, outcome = RoundResult(ok=False, error=decision.reason), "solo"
@@ -331,6 +333,22 @@ class PeerDaemon:
         with self.sync.lock:  # a peer downloading our state sees the state before or after, never between
             self.outer.step(update)
             self.sync.after_outer_step()
+
+
+def _refuse_update(update: list[torch.Tensor], own: list[torch.Tensor], max_ratio: float) -> str:
+    """Why an averaged pseudo-gradient must not be applied ("" if it may): a peer that sent NaNs or a
+    huge vector (broken hardware, a buggy fork, an attacker) must not poison our weights."""
+    bad = sum(int((~torch.isfinite(t)).sum()) for t in update)
+    if bad:
+        return f"{bad} non-finite values"
+    norm, own_norm = _norm(update), _norm(own)
+    if max_ratio and norm > max_ratio * max(own_norm, 1e-12):
+        return f"norm {norm:.3g} is {norm / max(own_norm, 1e-12):.0f}x ours (averaging.max_update_ratio={max_ratio:g})"
+    return ""
+
+
+def _norm(tensors: list[torch.Tensor]) -> float:
+    return float(torch.sqrt(sum(t.double().pow(2).sum() for t in tensors)))
 
 
 def _name(process: psutil.Process) -> str:
