@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                       help="interface for --metrics-port (default 127.0.0.1; 0.0.0.0 for a remote Prometheus)")
 
+    keygen = sub.add_parser("keygen", help="create an identity key file (a stable peer id) and print its peer id")
+    keygen.add_argument("path", metavar="KEY_FILE", help="where to write the private key, e.g. ~/.diloco.key")
+    keygen.add_argument("--force", action="store_true", help="replace an existing key file")
+
     status = sub.add_parser("status", help="print the swarm's peers, states, losses and throughput")
     status.add_argument("bootstrap", nargs="+", metavar="BOOTSTRAP_MULTIADDR", help="a bootstrap node's address")
     status.add_argument("--run-id", default="diloco-tiny", help="the run to show (default diloco-tiny)")
@@ -136,6 +140,13 @@ def _run(args: argparse.Namespace) -> int:
         except FileNotFoundError as e:
             raise ConfigError(str(e)) from None
         print(f"wrote {plot_losses(logs, Path(args.out))} ({len(logs)} peers: {', '.join(logs)})")
+        return 0
+    if args.command == "keygen":
+        from .swarm import generate_identity
+
+        peer_id = generate_identity(args.path, args.force)
+        print(f"wrote {args.path} (mode 0600); peer id {peer_id}")
+        print(f"use it with: diloco-peer join <bootstrap> --identity {args.path}")
         return 0
     if args.command == "status":
         from .bootstrap_node import run_status

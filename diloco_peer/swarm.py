@@ -10,9 +10,12 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 import time
+from pathlib import Path
 
 from hivemind.dht import DHT
+from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
 from .config import SwarmConfig
@@ -46,6 +49,25 @@ def parse_multiaddr(text: str, *, need_peer_id: bool, what: str = "address") -> 
             f"e.g. {EXAMPLE_ADDR}"
         )
     return addr
+
+
+def generate_identity(path: str, force: bool = False) -> str:
+    """``diloco-peer keygen``: write a new libp2p private key to ``path`` (mode 0600), return its peer id.
+
+    The key is the kind ``join``/``bootstrap --identity`` create on first use (RSA, which hivemind's check
+    for a second process with the same identity can read)."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise SwarmError(f"bad identity path {path}: it is a directory: give a file name, e.g. {path}/peer.key")
+    if target.exists():
+        if not force:
+            raise SwarmError(f"bad identity path {path}: the file exists (a peer's identity is in it): choose "
+                             f"another path, or pass --force to replace it")
+        target.unlink()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    P2P.generate_identity(str(target))
+    os.chmod(target, 0o600)
+    return PeerID.from_identity(target.read_bytes()).to_base58()
 
 
 def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool = False) -> DHT:

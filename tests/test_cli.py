@@ -45,6 +45,7 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         (["plot", "/no/such/runs"], 2, "/no/such/runs"),
         (["bootstrap", "--metrics-port", "70000"], 2, "--metrics-port 70000"),
         (["status", "not-an-address"], 2, "not-an-address"),
+        (["keygen", "/tmp"], 2, "is a directory"),
         (["demo", "--metrics-port-base", "65530", "--peers", "8"], 2, "--metrics-port-base 65530"),
     ],
 )
@@ -71,8 +72,12 @@ def test_unreachable_bootstrap_names_the_address():
 
 
 def test_bootstrap_prints_join_line_and_keeps_identity(local_swarm):
-    key = local_swarm.workdir / "boot.key"
-    peer_ids = []
+    key = local_swarm.workdir / "keys" / "boot.key"
+    made = run_cli("keygen", str(key))
+    assert made.returncode == 0, made.stderr
+    assert key.stat().st_mode & 0o777 == 0o600
+    assert run_cli("keygen", str(key)).returncode == 2  # never overwrites an identity by accident
+    peer_ids = [re.search(r"peer id (\w+)", made.stdout).group(1)]
     for attempt in range(2):
         proc = local_swarm.spawn(["bootstrap", "--identity", str(key), "--listen", "/ip4/127.0.0.1/tcp/0"],
                                  f"boot{attempt}.log")
@@ -82,7 +87,7 @@ def test_bootstrap_prints_join_line_and_keeps_identity(local_swarm):
         peer_ids.append(match.group(2))
         proc.terminate()
         assert proc.wait(timeout=20) == 0
-    assert key.exists() and peer_ids[0] == peer_ids[1]
+    assert peer_ids[0] == peer_ids[1] == peer_ids[2]  # keygen's peer id, kept across restarts
 
 
 def test_unreachable_bootstrap_is_retried_with_backoff_then_given_up():
