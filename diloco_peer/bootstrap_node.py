@@ -18,10 +18,13 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
+
 from .config import MetricsConfig, SwarmConfig
 from .metrics import MetricsServer
 from .monitor import SwarmMonitor, format_status, status_json, summarize
 from .progress import add_progress_validators, fetch_progress
+from .reaper import Reaper
 from .swarm import join_address, start_dht, visible_addresses
 
 logger = logging.getLogger("diloco_peer.bootstrap")
@@ -37,7 +40,15 @@ async def run_bootstrap(
     monitor = SwarmMonitor(run_id)
     # before the DHT starts: a busy metrics port fails at once, with nothing to tear down
     server = MetricsServer(monitor, metrics) if metrics is not None and metrics.port else None
-    dht = await asyncio.to_thread(start_dht, cfg, initial_peers)
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    reaper = Reaper()  # a SIGKILLed bootstrap must not leave its DHT process and p2pd behind
+    try:
+        dht = await asyncio.to_thread(start_dht, cfg, initial_peers)
+    except BaseException:
+        reaper.close()
+        raise
+    reaper.watch([c.pid for c in psutil.Process().children(recursive=True)
+                  if c.pid not in before and c.pid != reaper.proc.pid])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -71,6 +82,7 @@ async def run_bootstrap(
         return 0
     finally:
         await asyncio.to_thread(dht.shutdown)
+        reaper.close()
         if server is not None:
             server.close()
 

@@ -183,3 +183,18 @@ def test_join_on_a_terminal_shows_a_live_status_bar(local_swarm):
     assert "tok/s" in text and "loss " in text
     # ...and the round's log line still prints, above it
     assert re.search(r"round 1: solo with group of 1", text) and re.search(r"round 2: solo", text), text[-3000:]
+
+
+def test_a_sigkilled_bootstrap_leaves_no_orphans(local_swarm):
+    psutil = pytest.importorskip("psutil")
+    local_swarm.start_bootstrap()
+    boot = local_swarm.procs[0]
+    children = [c for c in psutil.Process(boot.pid).children(recursive=True) if c.name() != "python3"
+                or "reaper" not in " ".join(c.cmdline())]
+    assert any("p2pd" in c.name() for c in children), children
+    boot.kill()
+    boot.wait()
+    deadline = time.monotonic() + 10
+    while any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
+        assert time.monotonic() < deadline, [c for c in children if c.is_running()]
+        time.sleep(0.2)
