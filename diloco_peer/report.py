@@ -115,6 +115,13 @@ def plot_losses(logs: dict[str, Path], png: Path) -> Path:
     for ax in (ax_train, ax_eval, ax_speed):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    return save_figure(fig, png)
+
+
+def save_figure(fig, png: Path) -> Path:
+    """Lay out a matplotlib figure, write it (creating the folder) and free it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)

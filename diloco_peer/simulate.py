@@ -45,6 +45,7 @@ from .config import PeerConfig
 from .data import Corpus
 from .model import build_model
 from .outer_optimizer import OuterOptimizer
+from .report import save_figure
 from .trainer import Trainer
 
 
@@ -219,11 +220,7 @@ def plot_runs(runs: list[SimRun], png: Path) -> Path:
     ax.set(xlabel="tokens processed (all replicas)", ylabel="eval loss", title="DiLoCo vs baselines")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    return save_figure(fig, png)
 
 
 def format_table(runs: list[SimRun]) -> str:
