@@ -54,6 +54,7 @@ logger = logging.getLogger("diloco_peer")
 
 PROGRESS_EVENTS_PER_ROUND = 5
 PROGRESS_LOG_SECONDS = 30.0  # a human-readable progress line at most this often between round lines
+WITHDRAW_TIMEOUT = 5.0  # seconds a leaving peer gives the DHT to store its tombstone
 
 
 class PeerDaemon:
@@ -184,11 +185,19 @@ class PeerDaemon:
                     state.inner_step = self.outer.epoch * cfg.outer.inner_steps
                     checkpoints.save(state, self._on_checkpoint)
                 checkpoints.close()  # waits for the writes in flight
+            leaving = time.monotonic()
             if progress is not None:
-                await progress.withdraw()
+                # a DHT store can wait out RPC timeouts to peers that just died; never longer than this,
+                # since an unwithdrawn record expires by itself after three heartbeats anyway
+                try:
+                    await asyncio.wait_for(progress.withdraw(), timeout=WITHDRAW_TIMEOUT)
+                except TimeoutError:
+                    logger.warning(f"could not withdraw our progress record within {WITHDRAW_TIMEOUT:g}s; "
+                                   f"it expires by itself within {3 * cfg.averaging.heartbeat:g}s")
             if averager is not None:
                 await asyncio.to_thread(averager.shutdown)
             await asyncio.to_thread(dht.shutdown)
+            logger.info(f"left the swarm in {time.monotonic() - leaving:.1f}s")
             if events is not None:
                 events.close()
 
