@@ -78,12 +78,14 @@ def test_bootstrap_prints_join_line_and_keeps_identity(local_swarm):
     assert key.stat().st_mode & 0o777 == 0o600
     assert run_cli("keygen", str(key)).returncode == 2  # never overwrites an identity by accident
     peer_ids = [re.search(r"peer id (\w+)", made.stdout).group(1)]
+    address_file = local_swarm.workdir / "shared" / "bootstrap.addr"  # what compose's peers read
     for attempt in range(2):
-        proc = local_swarm.spawn(["bootstrap", "--identity", str(key), "--listen", "/ip4/127.0.0.1/tcp/0"],
-                                 f"boot{attempt}.log")
+        proc = local_swarm.spawn(["bootstrap", "--identity", str(key), "--listen", "/ip4/127.0.0.1/tcp/0",
+                                  "--address-file", str(address_file)], f"boot{attempt}.log")
         line = wait_for_line(local_swarm.workdir / f"boot{attempt}.log", "diloco-peer join ", proc)
         match = re.fullmatch(r"diloco-peer join (/ip4/127\.0\.0\.1/tcp/\d+/p2p/(\w+))", line)
         assert match, line
+        assert address_file.read_text() == match.group(1) + "\n"
         peer_ids.append(match.group(2))
         proc.terminate()
         assert proc.wait(timeout=20) == 0
