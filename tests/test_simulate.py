@@ -83,7 +83,9 @@ def test_a_swarm_computes_exactly_what_the_simulator_computes(tmp_path):
     peers, rounds = 2, 3
     out = tmp_path / "demo"
     cmd = diloco_cmd("demo", "--peers", str(peers), "--rounds", str(rounds), "--out", str(out))
-    for item in [*FAST, "checkpoint.keep=10"]:
+    # every round must be averaged by both peers: matchmaking gets more slack than FAST gives (on a loaded
+    # machine a 1 s request timeout can make one peer give up on a group the other one formed)
+    for item in [*FAST, "checkpoint.keep=10", "averaging.matchmaking_time=4.0", "averaging.request_timeout=2.0"]:
         cmd += ["--set", item]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
