@@ -18,15 +18,21 @@ Per-block scales keep one large value (an outlier) from flattening every other v
 to zero, which a single per-tensor scale would do. :class:`ErrorFeedback` carries what a lossy codec
 dropped into the next round, so that nothing is lost for good, only delayed.
 
-Used by ``diloco-peer simulate`` to study codecs; the wire codecs of the swarm's all-reduce are in
-``averaging_round.py``.
+The swarm's all-reduce sends exactly these encodings: :class:`WireCompression` plugs a codec into
+hivemind's compression framework (``averaging_round.py`` uses it), and ``diloco-peer simulate`` uses the
+same codecs to study them. hivemind's own protobuf enum has no bf16, per-block int8 or int4 (its
+blockwise 8-bit needs bitsandbytes), so our encodings travel under compression codes of their own
+(``WIRE_CODES``, outside hivemind's range); ``deserialize`` reads both kinds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
+from hivemind.proto import runtime_pb2
 
 BLOCK = 1024
 
@@ -131,3 +137,62 @@ class ErrorFeedback:
             out.append(sent)
             total += size
         return out, total
+
+
+WIRE_CODES = {"bf16": 65, "int8": 66, "int4": 67}
+"""Compression codes of our encodings on the wire (hivemind's own enum ends at 5; proto3 enums are open)."""
+_BY_CODE = {code: CODECS[name] for name, code in WIRE_CODES.items()}
+_STORAGE = {torch.float32: (torch.float32, np.float32), torch.bfloat16: (torch.int16, np.int16),
+            torch.int8: (torch.int8, np.int8), torch.uint8: (torch.uint8, np.uint8)}
+"""How each payload dtype becomes bytes (numpy has no bfloat16: its bits travel as int16)."""
+
+
+class WireCompression(CompressionBase):
+    """A codec of this module as a hivemind compression: what an all-reduce part looks like on the wire.
+
+    The message's buffer holds the per-block fp32 scales (if any) followed by the encoded values; its
+    ``size`` is the part's shape. Parts are split by hivemind at multiples of ``BLOCK`` values of a tensor
+    (see ``estimate_compression_ratio``), so a part's blocks are the whole tensor's blocks.
+    """
+
+    def __init__(self, name: str):
+        self.codec = get_codec(name)
+        self.compression_type = WIRE_CODES[name]
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        payload = self.codec.encode(tensor.detach().cpu())
+        storage, _ = _STORAGE[payload.data.dtype]
+        scales = b"" if payload.scales is None else payload.scales.numpy().tobytes()
+        return runtime_pb2.Tensor(compression=self.compression_type, size=list(tensor.shape), dtype="float32",
+                                  buffer=scales + payload.data.view(storage).numpy().tobytes())
+
+    def extract(self, message: runtime_pb2.Tensor) -> torch.Tensor:
+        shape = torch.Size(message.size)
+        numel = shape.numel()
+        codec = self.codec
+        buffer = bytearray(message.buffer)  # writable, so torch does not warn
+        if isinstance(codec, _BlockQuantCodec):
+            blocks = -(-numel // BLOCK)
+            scales = torch.frombuffer(buffer, dtype=torch.float32, count=blocks) if blocks else torch.zeros(0)
+            count = (numel + 1) // 2 if codec.pack else numel
+            data = torch.frombuffer(buffer, dtype=torch.uint8 if codec.pack else torch.int8, count=count,
+                                    offset=4 * blocks) if count else torch.zeros(0, dtype=torch.int8)
+            expected = 4 * blocks + count
+        else:  # bf16
+            data = torch.frombuffer(buffer, dtype=torch.int16).view(torch.bfloat16) if numel else torch.zeros(0)
+            scales, expected = None, 2 * numel
+        if len(buffer) != expected:
+            raise ValueError(f"a {codec.name} part of shape {tuple(shape)} must be {expected} bytes, got {len(buffer)}")
+        return codec.decode(Payload(data, scales, shape, numel))
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        # exact powers of two: hivemind then cuts parts at multiples of BLOCK values (2**19 bytes per part)
+        return {"bf16": 0.5, "int8": 0.25, "int4": 0.125}[self.codec.name]
+
+
+def deserialize(message: runtime_pb2.Tensor) -> torch.Tensor:
+    """A tensor from an all-reduce message: our encodings by their code, hivemind's own otherwise."""
+    codec = _BY_CODE.get(message.compression)
+    if codec is None:
+        return deserialize_torch_tensor(message)
+    return WireCompression(codec.name).extract(message)

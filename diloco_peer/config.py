@@ -128,6 +128,10 @@ class OuterConfig(_Section):
     lr: float = Field(0.7, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
+    overlap: Literal["blocking", "delayed"] = "blocking"
+    """``blocking``: wait for each round's average before training on (DiLoCo, OpenDiLoCo).
+    ``delayed``: average round t's progress while round t+1 trains and apply it at the end of round t+1
+    (DiLoCoX's one-step delay; see overlapped_round.py). The whole swarm must use the same mode."""
 
     @model_validator(mode="after")
     def _check_nesterov(self) -> OuterConfig:
@@ -139,7 +143,12 @@ class OuterConfig(_Section):
 class AveragingConfig(_Section):
     """How a round finds its group and all-reduces (hivemind's DecentralizedAverager)."""
 
-    compression: Literal["none", "fp16"] = "none"
+    compression: Literal["none", "fp16", "bf16", "int8", "int4"] = "none"
+    """Pseudo-gradients on the wire: fp32 (none), fp16, bf16, or int8 / int4 with one fp32 scale per 1024
+    values (see compression.py). The reducers reply in the same encoding."""
+    error_feedback: bool = False
+    """Carry what a lossy codec dropped from our pseudo-gradient into the next round's (nothing is lost for
+    good, only delayed); dropped after a state sync."""
     min_peers: int = Field(2, ge=1)
     """The first outer round waits until this many peers are ready, so that fast peers do not
     drift apart with solo steps while the swarm is still starting."""
@@ -238,6 +247,8 @@ class PeerConfig(_Section):
     def fingerprint(self) -> str:
         """Hash of everything that must be equal across a swarm (model shape, seed, run id)."""
         shared = {"run_id": self.run.run_id, "seed": self.run.seed, "model": self.model.model_dump()}
+        if self.outer.overlap != "blocking":  # peers of the two modes cannot share rounds
+            shared["overlap"] = self.outer.overlap
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from .averaging_round import RoundAverager, RoundResult
+from .averaging_round import RoundAverager, RoundResult, refuse_update
 from .checkpoint import CheckpointManager, capture, restore
 from .config import PeerConfig
 from .data import Corpus, shard_for_peer
@@ -44,6 +44,7 @@ from .events import EventLog
 from .metrics import MetricsServer, PeerMetrics
 from .model import build_model, num_parameters
 from .outer_optimizer import OuterOptimizer
+from .overlapped_round import OverlappedRounds
 from .progress import SwarmProgress
 from .reaper import Reaper
 from .state_sync import StateSync, swarm_target
@@ -78,6 +79,11 @@ class PeerDaemon:
         self.metrics = PeerMetrics()
         """Fed by the event log; served on ``metrics.port`` when set."""
         self._saved_epoch = -1  # the epoch of the last periodic checkpoint
+        self.last_sync_epoch = -1
+        """The outer epoch our last state sync brought us to (overlapped rounds rebase after it)."""
+        self.delayed = cfg.outer.overlap == "delayed"
+        self.averager: RoundAverager | None = None
+        self._checkpoints: CheckpointManager | None = None
         self.tty = sys.stderr.isatty()
         """On a terminal: a live status bar per round (log lines print above it); else periodic log lines."""
 
@@ -148,7 +154,8 @@ class PeerDaemon:
                     resumed_from = str(manager.files()[0])
                     logger.info(f"resumed from {resumed_from}: epoch {outer.epoch}, inner step {trainer.step}")
                 checkpoints = manager
-            averager = RoundAverager(dht, [p.shape for p in outer.params], cfg.run.run_id, cfg.averaging)
+            averager = self.averager = RoundAverager(dht, [p.shape for p in outer.params], cfg.run.run_id,
+                                                     cfg.averaging)
             self._watch_children(reaper)
             sync = self.sync = StateSync(averager.averager, outer, cfg.fingerprint(), cfg.outer.inner_steps,
                                          cfg.averaging, on_serve=lambda epoch, size: events.write(
@@ -156,7 +163,8 @@ class PeerDaemon:
             progress = SwarmProgress(dht, cfg.run.run_id, peer_id, cfg.averaging.heartbeat)
             self.metrics.name = self.name
             progress.stats_provider = self.metrics.swarm_stats  # the swarm monitor reads these from the DHT
-            await progress.publish(epoch=outer.epoch, inner_step=trainer.step, state_hash=sync.state_hash)
+            await progress.publish(epoch=outer.epoch, round=outer.epoch, inner_step=trainer.step,
+                                   state_hash=sync.state_hash)
             progress.start_heartbeat()
 
             eval_loss = await asyncio.to_thread(trainer.evaluate)
@@ -182,7 +190,8 @@ class PeerDaemon:
                 # unless the periodic checkpoint of this very boundary is already written (or being written)
                 if self._saved_epoch != self.outer.epoch:
                     state = capture(self.trainer, self.outer, cfg.fingerprint())
-                    state.inner_step = self.outer.epoch * cfg.outer.inner_steps
+                    # resume at the start of the round that follows the saved epoch (delayed: one later)
+                    state.inner_step = (self.outer.epoch + self.delayed) * cfg.outer.inner_steps
                     checkpoints.save(state, self._on_checkpoint)
                 checkpoints.close()  # waits for the writes in flight
             leaving = time.monotonic()
@@ -219,9 +228,13 @@ class PeerDaemon:
         if not result.ok:
             logger.warning(f"state sync failed ({result.error}); will try again at the next round")
             return False
-        self.trainer.step = self.outer.epoch * self.cfg.outer.inner_steps  # the inner LR-schedule position
-        await progress.publish(epoch=self.outer.epoch, inner_step=self.trainer.step, ready=False,
-                               state_hash=self.sync.state_hash)
+        # the inner LR-schedule position: the round after the synced epoch (delayed mode: the round after that,
+        # which the swarm trains while it averages the synced epoch's)
+        self.trainer.step = (self.outer.epoch + self.delayed) * self.cfg.outer.inner_steps
+        self.last_sync_epoch = self.outer.epoch
+        self.averager.reset_feedback()  # the residual belonged to the weights we just replaced
+        await progress.publish(epoch=self.outer.epoch, round=self.outer.epoch + self.delayed,
+                               inner_step=self.trainer.step, ready=False, state_hash=self.sync.state_hash)
         logger.info(f"state sync: now at epoch {self.outer.epoch} ({result.bytes / 1e6:.2f} MB from "
                     f"{result.donor[-8:]} in {result.seconds:.2f}s)")
         return True
@@ -230,6 +243,9 @@ class PeerDaemon:
                      progress: SwarmProgress, events: EventLog, checkpoints: CheckpointManager | None) -> None:
         """Outer rounds until stopped or ``run.max_rounds``; an interrupted round is abandoned, not sent."""
         self._last_log = time.monotonic()
+        self._checkpoints = checkpoints
+        if self.delayed:
+            return await OverlappedRounds(self, averager, progress).run(self._finish_round)
         while not self.stopping and not self._reached_max_rounds():
             started = time.perf_counter()
             epoch = outer.epoch
@@ -240,21 +256,25 @@ class PeerDaemon:
             if record is None:
                 continue  # stopping, or the round was replaced by a state sync
             record.update(round_seconds=time.perf_counter() - started)
-            if record["outcome"] == "averaged" and self.first_contribution is None:
-                self.first_contribution = time.time() - psutil.Process().create_time()
-                record["first_contribution_seconds"] = self.first_contribution
-            events.write("round", **record)
-            self._last_log = time.monotonic()
-            megabytes = (record["bytes_sent"] + record["bytes_received"]) / 1e6
-            logger.info(
-                f"round {record['round']}: {record['outcome']} with group of {record['group_size']} "
-                f"({record['allreduce_seconds']:.2f}s, {megabytes:.2f} MB)"
-                f" | train loss {record['train_loss']:.4f} | eval loss {record['eval_loss']:.4f} | "
-                f"{inner['tokens'] / max(inner['compute_seconds'], 1e-9):,.0f} tok/s"
-            )
-            if checkpoints is not None and checkpoints.due(outer.epoch):
-                checkpoints.save(capture(trainer, outer, self.cfg.fingerprint()), self._on_checkpoint)
-                self._saved_epoch = outer.epoch
+            self._finish_round(record, inner)
+
+    def _finish_round(self, record: dict, inner: dict) -> None:
+        """Log and count a finished round, and write the periodic checkpoint when due."""
+        if record["outcome"] == "averaged" and self.first_contribution is None:
+            self.first_contribution = time.time() - psutil.Process().create_time()
+            record["first_contribution_seconds"] = self.first_contribution
+        self.events.write("round", **record)
+        self._last_log = time.monotonic()
+        megabytes = (record["bytes_sent"] + record["bytes_received"]) / 1e6
+        logger.info(
+            f"round {record['round']}: {record['outcome']} with group of {record['group_size']} "
+            f"({record['allreduce_seconds']:.2f}s, {megabytes:.2f} MB)"
+            f" | train loss {record['train_loss']:.4f} | eval loss {record['eval_loss']:.4f} | "
+            f"{inner['tokens'] / max(inner['compute_seconds'], 1e-9):,.0f} tok/s"
+        )
+        if self._checkpoints is not None and self._checkpoints.due(self.outer.epoch):
+            self._checkpoints.save(capture(self.trainer, self.outer, self.cfg.fingerprint()), self._on_checkpoint)
+            self._saved_epoch = self.outer.epoch
 
     def _reached_max_rounds(self) -> bool:
         if self.cfg.run.max_rounds and self.outer.epoch >= self.cfg.run.max_rounds:
@@ -310,7 +330,7 @@ class PeerDaemon:
         if decision.ready > 1:
             self.events.write("averaging", peer=self.name, epoch=epoch, ready_peers=decision.ready)
             result = await averager.average(pseudo_gradient, weight=inner["tokens"], epoch=epoch)
-            if result.ok and (why := _refuse_update(result.averaged, pseudo_gradient, cfg.averaging.max_update_ratio)):
+            if result.ok and (why := refuse_update(result.averaged, pseudo_gradient, cfg.averaging.max_update_ratio)):
                 result.ok, result.error = False, f"refused the group's average: {why}"
             outcome = "averaged" if result.ok else "failed"
         else:
@@ -320,7 +340,7 @@ class PeerDaemon:
         if len(set(result.group_epochs)) > 1:
             logger.warning(f"round {epoch + 1}: the group mixed epochs {sorted(result.group_epochs)}")
         await asyncio.to_thread(self._outer_step, result.averaged if result.ok else pseudo_gradient)
-        await progress.publish(epoch=outer.epoch, ready=False, state_hash=self.sync.state_hash)
+        await progress.publish(epoch=outer.epoch, round=outer.epoch, ready=False, state_hash=self.sync.state_hash)
         if result.values_not_averaged or outcome == "failed":
             # our weights now differ from those of the others in the group: re-sync at once, before training
             logger.warning(f"round {epoch + 1}: {result.values_not_averaged} values were not averaged "
@@ -332,6 +352,7 @@ class PeerDaemon:
             "peer": self.name, "round": outer.epoch, "epoch": epoch, "outcome": outcome,
             "group_size": result.group_size, "group_epochs": result.group_epochs, "ready_peers": decision.ready,
             "alive_peers": decision.alive, "wait_seconds": decision.waited, "allreduce_seconds": result.seconds,
+            "transfer_seconds": result.transfer_seconds,
             "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received,
             "values_not_averaged": result.values_not_averaged, "error": result.error, **inner,
             "eval_loss": eval_loss, "inner_lr": trainer.current_lr(), "outer_lr": cfg.outer.lr,
@@ -342,22 +363,6 @@ class PeerDaemon:
         with self.sync.lock:  # a peer downloading our state sees the state before or after, never between
             self.outer.step(update)
             self.sync.after_outer_step()
-
-
-def _refuse_update(update: list[torch.Tensor], own: list[torch.Tensor], max_ratio: float) -> str:
-    """Why an averaged pseudo-gradient must not be applied ("" if it may): a peer that sent NaNs or a
-    huge vector (broken hardware, a buggy fork, an attacker) must not poison our weights."""
-    bad = sum(int((~torch.isfinite(t)).sum()) for t in update)
-    if bad:
-        return f"{bad} non-finite values"
-    norm, own_norm = _norm(update), _norm(own)
-    if max_ratio and norm > max_ratio * max(own_norm, 1e-12):
-        return f"norm {norm:.3g} is {norm / max(own_norm, 1e-12):.0f}x ours (averaging.max_update_ratio={max_ratio:g})"
-    return ""
-
-
-def _norm(tensors: list[torch.Tensor]) -> float:
-    return float(torch.sqrt(sum(t.double().pow(2).sum() for t in tensors)))
 
 
 def _name(process: psutil.Process) -> str:

@@ -139,8 +139,13 @@ class PeerMetrics:
         self.not_averaged.inc(e["values_not_averaged"])
         self.sent.labels("pseudo_gradient").inc(e["bytes_sent"])
         self.received.labels("pseudo_gradient").inc(e["bytes_received"])
-        self.phase.labels("communication").inc(e["allreduce_seconds"])
-        self.phase.labels("waiting").inc(e["wait_seconds"])
+        if "overlap_wait_seconds" in e:
+            # overlapped rounds: the gate and the all-reduce ran while the next round trained; training only
+            # stood still while the round's end waited for that average
+            self.phase.labels("communication").inc(e["overlap_wait_seconds"])
+        else:
+            self.phase.labels("communication").inc(e["allreduce_seconds"])
+            self.phase.labels("waiting").inc(e["wait_seconds"])
         self.last_outer_step.set(e["time"])
         self.status.update(epoch=e["round"], last_outer_step=e["time"])
 

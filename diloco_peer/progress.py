@@ -49,6 +49,9 @@ class ProgressRecord(BaseModel):  # pydantic v1: hivemind's SchemaValidator spea
     tokens: conint(ge=0, strict=True)
     ready: StrictBool
     """True once the peer finished the inner steps of ``epoch`` and waits for the round."""
+    round: conint(ge=0, strict=True) = 0
+    """The round this peer trains now: its pseudo-gradient will be averaged under this epoch. Equal to
+    ``epoch`` in blocking mode; in overlapped mode one more once the peer sent ``epoch``'s."""
     state_hash: StrictStr = ""
     """sha256 of the peer's outer weights at ``epoch``: peers that agree hold the same bytes."""
     time: StrictFloat
@@ -156,13 +159,17 @@ class SwarmProgress:
         await self._store(None)
 
     async def wait_until_ready(self, min_peers: int, min_peers_timeout: float, ready_timeout: float,
-                               should_stop=lambda: False) -> ReadyDecision:
+                               should_stop=lambda: False, delayed: bool = False) -> ReadyDecision:
         """Wait until the round of our epoch may start; we must have published ``ready=True`` already.
 
         The round starts when (a) at least ``min_peers`` peers are alive and (b) every live peer at our
         epoch is ready. It starts anyway after ``ready_timeout`` seconds of (a), leaving stragglers behind,
         or after ``min_peers_timeout`` seconds without (a), with whoever is there. Returns early (with
         reason "stopping") as soon as ``should_stop()`` is true, so that a leaving peer never waits here.
+
+        ``delayed`` (overlapped rounds, see ``overlapped_round.py``): the peers to wait for are those whose
+        record says they train the round of our epoch (``round``); a peer that sent it is at our epoch and
+        ready (and already trains the next round).
         """
         started = time.monotonic()
         quorum_since = None
@@ -170,8 +177,14 @@ class SwarmProgress:
             if should_stop():
                 return ReadyDecision(1, 1, time.monotonic() - started, "stopping")
             records = await self.swarm_records()
-            same_epoch = [r for r in records if r.epoch == self.record.epoch]
-            ready = sum(r.ready for r in same_epoch)
+            epoch = self.record.epoch
+            if delayed:
+                sent = [r for r in records if r.epoch == epoch and r.ready]
+                same_epoch = sent + [r for r in records if r.round == epoch and not (r.epoch == epoch and r.ready)]
+                ready = len(sent)
+            else:
+                same_epoch = [r for r in records if r.epoch == epoch]
+                ready = sum(r.ready for r in same_epoch)
             now = time.monotonic()
             waited = now - started
             if len(records) >= min_peers:

@@ -216,6 +216,32 @@ def test_demo_churn_schedule_shows_the_swarm_healing(tmp_path):
     assert "churn kill:1@round2: peer-2" in result.stdout
 
 
+def test_overlapped_rounds_survive_a_kill_and_take_in_a_newcomer(tmp_path):
+    """Overlapped mode under churn: a peer SIGKILLed while its round is in flight, a newcomer that syncs into
+    the middle of an overlapped round and rebases onto the next epoch; outer weights identical throughout."""
+    import subprocess
+
+    from conftest import diloco_cmd
+
+    out = tmp_path / "demo"
+    cmd = diloco_cmd("demo", "--peers", "3", "--rounds", "7", "--out", str(out),
+                     "--churn", "kill:1@round2,join:1@round3")
+    for item in [*FAST, "outer.overlap=delayed", "outer.inner_steps=30", "averaging.allreduce_timeout=8.0",
+                 "averaging.ready_timeout=8.0", "averaging.first_round_timeout=60.0"]:
+        cmd += ["--set", item]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    kill, join = summary["churn"]
+    assert kill["exit_codes"] == {"peer-2": -9} and kill["survivors_round"]["identical"]
+    newcomer = join["joiners"]["peer-3"]
+    assert newcomer["synced_epoch"] >= 2 and newcomer["identical_at_end"], newcomer
+    rounds = [json.loads(line) for line in (out / "peer-3.jsonl").read_text().splitlines()]
+    rounds = [e for e in rounds if e["event"] == "round"]
+    assert any(r["outcome"] == "averaged" for r in rounds), rounds  # it contributed, not only followed
+    assert summary["rounds_completed"] == 7 and summary["replicas_identical"] is True
+
+
 def test_a_straggler_does_not_hold_the_swarm_and_catches_up_by_state_sync(local_swarm):
     local_swarm.start_bootstrap()
     common = ["averaging.ready_timeout=2.0", "averaging.min_peers=3"]

@@ -70,6 +70,16 @@ def test_events_drive_the_metrics():
     assert m.swarm_stats()["state"] == "leaving"
 
 
+def test_overlapped_rounds_count_only_the_wait_as_communication_time():
+    m = PeerMetrics()
+    for event in (START, PROGRESS, {**ROUND, "overlap_wait_seconds": 0.125}):
+        m.observe(event)
+    # the gate and the all-reduce (0.25 s + 1.5 s) ran while training went on: not time lost
+    assert _value(m, "diloco_phase_seconds_total", phase="communication") == 0.125
+    assert _value(m, "diloco_phase_seconds_total", phase="waiting") == 0
+    assert _value(m, "diloco_allreduce_duration_seconds_count") == 1
+
+
 def test_metric_names_follow_prometheus_conventions():
     m = PeerMetrics()
     for event in (START, PROGRESS, ROUND):

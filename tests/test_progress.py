@@ -86,3 +86,26 @@ def test_gate_gives_up_on_min_peers_after_timeout(two_dhts):
     decision = asyncio.run(scenario())
     assert decision.ready == 1 and decision.alive == 1 and 1.0 <= decision.waited < 5
     assert "min_peers=3" in decision.reason
+
+
+def test_overlapped_gate_waits_for_peers_training_its_round_only(two_dhts):
+    """Overlapped rounds: at the end of round 3 (epoch 3 sent), wait for a peer that still trains round 3
+    (epoch 2, or a newcomer synced to epoch 2), never for one that synced to epoch 3 and trains round 4."""
+    dht_a, dht_b = two_dhts
+
+    async def scenario():
+        a = SwarmProgress(dht_a, RUN, "peer-a", heartbeat=5)
+        b = SwarmProgress(dht_b, RUN, "peer-b", heartbeat=5)
+        await a.publish(epoch=3, round=4, ready=True)
+        await b.publish(epoch=2, round=3, ready=True)  # sent epoch 2, trains round 3
+        training = await a.wait_until_ready(min_peers=1, min_peers_timeout=30, ready_timeout=1.0, delayed=True)
+        await b.publish(epoch=3, round=4, ready=False)  # synced to epoch 3: trains the next round
+        synced = await a.wait_until_ready(min_peers=1, min_peers_timeout=30, ready_timeout=30, delayed=True)
+        await b.publish(epoch=3, round=4, ready=True)  # sent epoch 3
+        both = await a.wait_until_ready(min_peers=1, min_peers_timeout=30, ready_timeout=30, delayed=True)
+        return training, synced, both
+
+    training, synced, both = asyncio.run(scenario())
+    assert training.ready == 1 and training.waited >= 1.0 and "stragglers" in training.reason
+    assert synced.ready == 1 and synced.waited < 5 and "all peers" in synced.reason
+    assert both.ready == 2 and both.waited < 5

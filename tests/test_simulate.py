@@ -77,42 +77,50 @@ def test_baselines_and_delayed_overlap_train():
 
 
 @pytest.mark.slow
-def test_a_swarm_computes_exactly_what_the_simulator_computes(tmp_path):
+@pytest.mark.parametrize("overlap", ["blocking", "delayed"])
+def test_a_swarm_computes_exactly_what_the_simulator_computes(tmp_path, overlap):
     """The proof that the distributed system computes DiLoCo and nothing else: a real swarm of K peers
-    and the in-process simulator, same config, seeds and shards, agree on the weights after every round."""
+    and the in-process simulator, same config, seeds and shards, agree on the weights after every round.
+    In overlapped mode too: there the outer weights of epoch r are what the simulator holds after round
+    r + 1 (the average of round r is applied at the end of the next one)."""
     peers, rounds = 2, 3
     out = tmp_path / "demo"
     cmd = diloco_cmd("demo", "--peers", str(peers), "--rounds", str(rounds), "--out", str(out))
     # every round must be averaged by both peers: matchmaking gets more slack than FAST gives (on a loaded
     # machine a 1 s request timeout can make one peer give up on a group the other one formed)
-    for item in [*FAST, "checkpoint.keep=10", "averaging.matchmaking_time=4.0", "averaging.request_timeout=2.0"]:
+    for item in [*FAST, "checkpoint.keep=10", "averaging.matchmaking_time=4.0", "averaging.request_timeout=2.0",
+                 f"outer.overlap={overlap}"]:
         cmd += ["--set", item]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert all(r["outcome"] == "averaged" and r["group_size"] == peers for r in summary["rounds"]), summary["rounds"]
 
-    cfg = load_config(None, list(FAST))
+    cfg = load_config(None, [*FAST, f"outer.overlap={overlap}"])
+    lag = overlap == "delayed"
     swarm = {}
     for r in range(1, rounds + 1):
         states = [load_file(out / "checkpoints" / f"peer-{i}" / f"epoch-{r:06d}.pt", cfg.fingerprint())
                   for i in range(peers)]
-        swarm[r] = states[0].outer_params
+        assert all(torch.equal(a, b) for s in states[1:] for a, b in zip(s.outer_params, states[0].outer_params))
+        swarm[r + lag] = states[0].outer_params
     diffs = {}
 
     def compare(rnd, params):
-        diffs[rnd] = max((a - b).abs().max().item() for a, b in zip(params, swarm[rnd]))
+        if rnd in swarm:
+            diffs[rnd] = max((a - b).abs().max().item() for a, b in zip(params, swarm[rnd]))
 
-    run_diloco(cfg, peers, rounds, on_round=compare)
-    assert sorted(diffs) == list(range(1, rounds + 1))
+    run_diloco(cfg, peers, rounds + lag, overlap=overlap, on_round=compare)
+    assert sorted(diffs) == list(range(1 + lag, rounds + 1 + lag))
     # float summation order differs (the all-reduce sums parts, weighted by tokens); AdamW divides by sqrt(v)
     # and so magnifies those last-bit differences over the inner steps: 1e-8 after one round, ~1e-5 after three
     assert max(diffs.values()) < 1e-4, diffs
     # and the comparison can tell DiLoCo variants apart: another outer lr does not match
     other = {}
-    run_diloco(load_config(None, [*FAST, "outer.lr=0.6"]), peers, 1,
-               on_round=lambda rnd, params: other.update(d=max((a - b).abs().max().item()
-                                                               for a, b in zip(params, swarm[1]))))
+    first = 1 + lag
+    run_diloco(load_config(None, [*FAST, "outer.lr=0.6"]), peers, first, overlap=overlap,
+               on_round=lambda rnd, params: rnd == first and other.update(
+                   d=max((a - b).abs().max().item() for a, b in zip(params, swarm[first]))))
     assert other["d"] > 1e-3 > 10 * max(diffs.values()), (other, diffs)
 
 
