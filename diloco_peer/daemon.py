@@ -345,8 +345,10 @@ class PeerDaemon:
             # our weights now differ from those of the others in the group: re-sync at once, before training
             logger.warning(f"round {epoch + 1}: {result.values_not_averaged} values were not averaged "
                            f"(a peer failed mid-round); checking our weights against the swarm's")
-            await asyncio.sleep(cfg.averaging.heartbeat)  # the others publish their new state meanwhile
-            await self._catch_up(progress, await progress.swarm_records())
+            # compare with the state the others end this round with: wait until one of them has stepped (a
+            # peer that died mid-round stops counting when its record expires, after 3 heartbeats)
+            timeout = cfg.averaging.ready_timeout + 3 * cfg.averaging.heartbeat
+            await self._catch_up(progress, await progress.wait_for_round_end(epoch, timeout, lambda: self.stopping))
         eval_loss = await asyncio.to_thread(trainer.evaluate)
         return {
             "peer": self.name, "round": outer.epoch, "epoch": epoch, "outcome": outcome,

@@ -83,7 +83,9 @@ class OverlappedRounds:
             if peer.last_sync_epoch == outer.epoch:
                 # synced into a running swarm: the others apply the average of the round we joined in the
                 # middle of; take their result as soon as they have it, with our progress on top
-                await self._rebase(progress, await self._wait_for_newer_epoch())
+                records = await self.progress.wait_for_round_end(outer.epoch, cfg.averaging.ready_timeout,
+                                                                 lambda: peer.stopping)
+                await self._rebase(progress, records)
             else:
                 self._keep(progress)  # a fresh start: nothing to apply yet
             return None
@@ -103,13 +105,14 @@ class OverlappedRounds:
             logger.warning(f"round {epoch + 1}: averaging failed ({result.error})")
         if result.ok:
             await asyncio.to_thread(self._apply, result.averaged, progress)
-        elif not await self._rebase(progress, await self._wait_for_newer_epoch()):
+        elif not await self._rebase(progress, await self.progress.wait_for_round_end(
+                epoch, cfg.averaging.ready_timeout, lambda: peer.stopping)):
             await asyncio.to_thread(self._apply, self.sent, progress)  # solo: our own progress of that round
         if result.values_not_averaged:
             logger.warning(f"round {epoch + 1}: {result.values_not_averaged} values were not averaged "
                            f"(a peer failed mid-round); checking our weights against the swarm's")
-            await asyncio.sleep(cfg.averaging.heartbeat)  # the others publish their new state meanwhile
-            await self._rebase(progress, await self.progress.swarm_records())
+            await self._rebase(progress, await self.progress.wait_for_round_end(
+                epoch, cfg.averaging.ready_timeout + 3 * cfg.averaging.heartbeat, lambda: peer.stopping))
         eval_loss = await asyncio.to_thread(self._evaluate_outer)
         return {
             "peer": peer.name, "round": outer.epoch, "epoch": epoch, "outcome": outcome,
@@ -152,19 +155,6 @@ class OverlappedRounds:
             return False
         await asyncio.to_thread(self._keep, progress)
         return True
-
-    async def _wait_for_newer_epoch(self) -> list:
-        """Records, once a peer that trained the same round as we did has applied its average (bounded by
-        ``averaging.ready_timeout``; at once if nobody else trains our round)."""
-        me, epoch = self.progress.record.peer_id, self.peer.outer.epoch
-        deadline = time.monotonic() + self.peer.cfg.averaging.ready_timeout
-        while True:
-            records = await self.progress.swarm_records()
-            others = [r for r in records if r.peer_id != me]
-            if (any(r.epoch > epoch for r in others) or not any(r.epoch == epoch for r in others)
-                    or time.monotonic() >= deadline or self.peer.stopping):
-                return records
-            await asyncio.sleep(SwarmProgress.POLL_SECONDS)
 
     def _launch(self, progress: list[torch.Tensor], tokens: int) -> None:
         """Step 4: publish "ready" for our epoch and average the round's pseudo-gradient in the background."""

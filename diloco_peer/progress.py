@@ -141,6 +141,19 @@ class SwarmProgress:
         records = await fetch_progress(self.dht, self.run_id)
         return [r for r in records if r.peer_id != self.record.peer_id] + [self.record]
 
+    async def wait_for_round_end(self, epoch: int, timeout: float, should_stop=lambda: False) -> list[ProgressRecord]:
+        """Records, once another peer that trained the round of ``epoch`` has stepped past it (at once if
+        nobody else is at ``epoch``; at most ``timeout`` seconds). A peer whose round failed compares its
+        weights with those the others *end* the round with, not with their records from before it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            records = await self.swarm_records()
+            others = [r for r in records if r.peer_id != self.record.peer_id]
+            if (any(r.epoch > epoch for r in others) or not any(r.epoch == epoch for r in others)
+                    or time.monotonic() >= deadline or should_stop()):
+                return records
+            await asyncio.sleep(self.POLL_SECONDS)
+
     def start_heartbeat(self) -> None:
         async def _beat():
             while True:

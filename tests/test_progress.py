@@ -109,3 +109,36 @@ def test_overlapped_gate_waits_for_peers_training_its_round_only(two_dhts):
     assert training.ready == 1 and training.waited >= 1.0 and "stragglers" in training.reason
     assert synced.ready == 1 and synced.waited < 5 and "all peers" in synced.reason
     assert both.ready == 2 and both.waited < 5
+
+
+def test_a_failed_peer_waits_for_the_others_to_end_the_round(two_dhts):
+    dht_a, dht_b = two_dhts
+
+    async def scenario():
+        a = SwarmProgress(dht_a, RUN, "peer-a", heartbeat=5)
+        b = SwarmProgress(dht_b, RUN, "peer-b", heartbeat=5)
+        await a.publish(epoch=4, ready=False)  # a's round 3 failed: it stepped alone to epoch 4
+        await b.publish(epoch=3, ready=True)  # b is still averaging round 3
+
+        async def b_ends_its_round():
+            await asyncio.sleep(1.5)
+            await b.publish(epoch=4, ready=False, state_hash="after-round-3")
+
+        ending = asyncio.create_task(b_ends_its_round())
+        started = time.monotonic()
+        records = await a.wait_for_round_end(3, timeout=10)
+        waited = time.monotonic() - started
+        await ending
+        started = time.monotonic()
+        await a.wait_for_round_end(5, timeout=10)  # nobody else trains that round: no wait
+        no_wait = time.monotonic() - started
+        started = time.monotonic()
+        await b.publish(epoch=3, ready=True)
+        await a.wait_for_round_end(3, timeout=1)  # b never ends it: the timeout bounds the wait
+        bounded = time.monotonic() - started
+        return records, waited, no_wait, bounded
+
+    records, waited, no_wait, bounded = asyncio.run(scenario())
+    assert 1.0 < waited < 5, waited
+    assert {r.peer_id: (r.epoch, r.state_hash) for r in records}["peer-b"] == (4, "after-round-3")
+    assert no_wait < 1.0 and 1.0 <= bounded < 3, (no_wait, bounded)
