@@ -29,6 +29,8 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -107,8 +109,7 @@ class PeerDaemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._request_stop, sig.name)
-        if cfg.run.threads:
-            torch.set_num_threads(cfg.run.threads)
+        self._start_compute_thread(cfg.run.threads or torch.get_num_threads())
 
         # before joining: a busy port fails at once, and /healthz says "joining" while we look for the swarm
         server = MetricsServer(self.metrics, cfg.metrics) if cfg.metrics.port else None
@@ -118,9 +119,28 @@ class PeerDaemon:
             with logging_redirect_tqdm() if self.tty else contextlib.nullcontext():
                 return await self._run(reaper)
         finally:
+            self._compute.shutdown(wait=False)
             reaper.close()
             if server is not None:
                 server.close()
+
+    def _start_compute_thread(self, threads: int) -> None:
+        """One thread runs all of our torch work (training, eval, outer steps) with ``threads`` intra-op threads;
+        every other thread of the process runs torch single-threaded.
+
+        Why: each thread that runs a parallel torch op leads its own OpenMP team, and once libgomp manages more
+        threads than there are cores it stops spin-waiting between ops and puts its workers to sleep after
+        each one. Measured on 2 cores: training steps sent to whichever ``asyncio.to_thread`` worker ran at
+        half the speed of the same steps in a single thread (bench/daemon_overhead.py).
+        """
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="compute", initializer=_own_threads,
+                                           initargs=(threads,))
+        self._compute.submit(int).result()  # the initializer has run: that thread keeps ``threads``
+        torch.set_num_threads(1)  # this thread, and those started from now on
+
+    async def compute(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the compute thread (see ``_start_compute_thread``)."""
+        return await asyncio.get_running_loop().run_in_executor(self._compute, partial(fn, *args, **kwargs))
 
     def _watch_children(self, reaper: Reaper) -> None:
         # the processes we started (not the host's other children, e.g. in tests); torch's shared-memory
@@ -141,16 +161,16 @@ class PeerDaemon:
             self.name = self.name or f"peer-{peer_id[-8:]}"
             events = self.events = EventLog(Path(cfg.run.log_dir) / f"{self.name}.jsonl", self.metrics.observe)
             shard = cfg.data.shard if cfg.data.shard >= 0 else shard_for_peer(peer_id, cfg.data.num_shards)
-            corpus = await asyncio.to_thread(Corpus, cfg.data, shard, cfg.model.vocab_size)
-            model = build_model(cfg.model, cfg.run.seed)
-            trainer = self.trainer = Trainer(model, corpus, cfg.inner)
-            outer = self.outer = OuterOptimizer(trainer.model, cfg.outer)
+            corpus = await self.compute(Corpus, cfg.data, shard, cfg.model.vocab_size)
+            model = await self.compute(build_model, cfg.model, cfg.run.seed)
+            trainer = self.trainer = await self.compute(Trainer, model, corpus, cfg.inner)
+            outer = self.outer = await self.compute(OuterOptimizer, trainer.model, cfg.outer)
             resumed_from = ""
             if cfg.checkpoint.dir:
                 manager = CheckpointManager(cfg.checkpoint, self.name, cfg.fingerprint())
                 state = await asyncio.to_thread(manager.load_latest)  # a foreign checkpoint raises here
                 if state is not None:
-                    await asyncio.to_thread(restore, state, trainer, outer)
+                    await self.compute(restore, state, trainer, outer)
                     resumed_from = str(manager.files()[0])
                     logger.info(f"resumed from {resumed_from}: epoch {outer.epoch}, inner step {trainer.step}")
                 checkpoints = manager
@@ -167,7 +187,7 @@ class PeerDaemon:
                                    state_hash=sync.state_hash)
             progress.start_heartbeat()
 
-            eval_loss = await asyncio.to_thread(trainer.evaluate)
+            eval_loss = await self.compute(trainer.evaluate)
             events.write(
                 "start", peer=self.name, peer_id=peer_id, addresses=visible_addresses(dht), shard=shard,
                 parameters=num_parameters(model), device=str(trainer.device), fingerprint=cfg.fingerprint(),
@@ -291,7 +311,7 @@ class PeerDaemon:
                    dynamic_ncols=True, disable=not self.tty)
         while trainer.step - epoch * H < H and not self.stopping:
             todo = min(chunk, H - (trainer.step - epoch * H))
-            stats = await asyncio.to_thread(trainer.train_steps, todo, lambda: self.stopping)
+            stats = await self.compute(trainer.train_steps, todo, lambda: self.stopping)
             tokens, compute = tokens + stats.tokens, compute + stats.seconds
             weighted_loss += stats.loss * stats.steps
             progress.record = progress.record.copy(update={"inner_step": trainer.step})  # sent with the heartbeat
@@ -313,7 +333,7 @@ class PeerDaemon:
         """Gate, all-reduce (or solo), outer step, eval. Returns the round's record; None if stopping or if
         the swarm had moved on and the round was replaced by a state sync."""
         cfg = self.cfg
-        pseudo_gradient = await asyncio.to_thread(outer.pseudo_gradient)
+        pseudo_gradient = await self.compute(outer.pseudo_gradient)
         await progress.publish(epoch=epoch, inner_step=trainer.step, ready=True,
                                tokens=progress.record.tokens + inner["tokens"])
         decision = await progress.wait_until_ready(
@@ -339,7 +359,7 @@ class PeerDaemon:
             logger.warning(f"round {epoch + 1}: averaging failed ({result.error}); taking a solo outer step")
         if len(set(result.group_epochs)) > 1:
             logger.warning(f"round {epoch + 1}: the group mixed epochs {sorted(result.group_epochs)}")
-        await asyncio.to_thread(self._outer_step, result.averaged if result.ok else pseudo_gradient)
+        await self.compute(self._outer_step, result.averaged if result.ok else pseudo_gradient)
         await progress.publish(epoch=outer.epoch, round=outer.epoch, ready=False, state_hash=self.sync.state_hash)
         if result.values_not_averaged or outcome == "failed":
             # our weights now differ from those of the others in the group: re-sync at once, before training
@@ -349,7 +369,7 @@ class PeerDaemon:
             # peer that died mid-round stops counting when its record expires, after 3 heartbeats)
             timeout = cfg.averaging.ready_timeout + 3 * cfg.averaging.heartbeat
             await self._catch_up(progress, await progress.wait_for_round_end(epoch, timeout, lambda: self.stopping))
-        eval_loss = await asyncio.to_thread(trainer.evaluate)
+        eval_loss = await self.compute(trainer.evaluate)
         return {
             "peer": self.name, "round": outer.epoch, "epoch": epoch, "outcome": outcome,
             "group_size": result.group_size, "group_epochs": result.group_epochs, "ready_peers": decision.ready,
@@ -365,6 +385,13 @@ class PeerDaemon:
         with self.sync.lock:  # a peer downloading our state sees the state before or after, never between
             self.outer.step(update)
             self.sync.after_outer_step()
+
+
+def _own_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+    # torch applies the thread count to a thread at its first parallel op, from a process-wide value that
+    # the caller resets to 1 next; get_num_threads() makes this thread take ``threads`` now
+    torch.get_num_threads()
 
 
 def _name(process: psutil.Process) -> str:

@@ -60,11 +60,11 @@ class OverlappedRounds:
         try:
             while not peer.stopping and not peer._reached_max_rounds():
                 started = time.perf_counter()
-                start = [p.detach().to("cpu", torch.float32, copy=True) for p in trainer.model.parameters()]
+                start = await peer.compute(_cpu_copy, trainer.model)
                 inner = await peer._inner_steps(trainer, trainer.step // H, self.progress, peer.events)
                 if peer.stopping:
                     return  # a partial round is neither sent nor applied
-                progress = [p.detach().to("cpu", torch.float32) - s for p, s in zip(trainer.model.parameters(), start)]
+                progress = await peer.compute(_progress_since, trainer.model, start)
                 record = await self._end_of_round(progress, inner)
                 self._launch(progress, inner["tokens"])
                 if record is not None:
@@ -104,16 +104,16 @@ class OverlappedRounds:
         if outcome == "failed":
             logger.warning(f"round {epoch + 1}: averaging failed ({result.error})")
         if result.ok:
-            await asyncio.to_thread(self._apply, result.averaged, progress)
+            await self.peer.compute(self._apply, result.averaged, progress)
         elif not await self._rebase(progress, await self.progress.wait_for_round_end(
                 epoch, cfg.averaging.ready_timeout, lambda: peer.stopping)):
-            await asyncio.to_thread(self._apply, self.sent, progress)  # solo: our own progress of that round
+            await self.peer.compute(self._apply, self.sent, progress)  # solo: our own progress of that round
         if result.values_not_averaged:
             logger.warning(f"round {epoch + 1}: {result.values_not_averaged} values were not averaged "
                            f"(a peer failed mid-round); checking our weights against the swarm's")
             await self._rebase(progress, await self.progress.wait_for_round_end(
                 epoch, cfg.averaging.ready_timeout + 3 * cfg.averaging.heartbeat, lambda: peer.stopping))
-        eval_loss = await asyncio.to_thread(self._evaluate_outer)
+        eval_loss = await self.peer.compute(self._evaluate_outer)
         return {
             "peer": peer.name, "round": outer.epoch, "epoch": epoch, "outcome": outcome,
             "group_size": result.group_size, "group_epochs": result.group_epochs, "ready_peers": decision.ready,
@@ -153,7 +153,7 @@ class OverlappedRounds:
         """If the swarm holds other outer weights than ours, download them and keep our progress on top."""
         if not await self.peer._catch_up(self.progress, records):
             return False
-        await asyncio.to_thread(self._keep, progress)
+        await self.peer.compute(self._keep, progress)
         return True
 
     def _launch(self, progress: list[torch.Tensor], tokens: int) -> None:
@@ -178,3 +178,10 @@ class OverlappedRounds:
         peer.events.write("averaging", peer=peer.name, epoch=epoch, ready_peers=decision.ready)
         return decision, await self.averager.average(pseudo_gradient, weight=tokens, epoch=epoch)
 
+
+def _cpu_copy(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().to("cpu", torch.float32, copy=True) for p in model.parameters()]
+
+
+def _progress_since(model: torch.nn.Module, start: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.detach().to("cpu", torch.float32) - s for p, s in zip(model.parameters(), start)]
