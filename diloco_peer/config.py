@@ -43,7 +43,7 @@ class RunConfig(_Section):
     log_dir: str = "runs"
     """Directory for the peer's JSONL event log (one file per peer)."""
     threads: int = Field(0, ge=0)
-    """torch CPU threads for this peer; 0 keeps torch's default."""
+    """torch intra-op threads of the peer's compute thread (training, eval, outer steps); 0 keeps torch's default."""
     shutdown_grace: float = Field(30.0, gt=0)
     """Seconds a graceful leave (SIGTERM, Ctrl+C) may take: finish the inner step, write the checkpoint,
     withdraw from the swarm. Past it the daemon exits at once with code 1 (the last checkpoint stays valid)."""
