@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PEERS ?= 3
 ROUNDS ?= 5
 
-.PHONY: install demo test test-deps clean
+.PHONY: install demo test test-deps bench clean
 
 install: $(VENV)/.installed
 
@@ -22,6 +22,13 @@ demo: install
 
 test: install test-deps
 	$(PY) -m pytest -q --durations=10
+
+# Every benchmark's quick mode (about a minute each; the network ones need root for namespaces), then the
+# tables of BENCHMARKS.md from bench/results.json. Full modes: run each script without --quick.
+BENCHES := utilization bytes_per_token allreduce_efficiency daemon_overhead vs_hivemind_optimizer gpu
+bench: install
+	@for b in $(BENCHES); do echo "== bench/$$b.py --quick"; $(PY) bench/$$b.py --quick || exit 1; done
+	$(PY) bench/report.py
 
 # Debian tools the tests use: prometheus (+ promtool) scrapes a test swarm and lints the metrics,
 # docker-compose validates docker-compose.yml. Installed when missing (needs root and Debian's registry).
