@@ -29,8 +29,6 @@ import os
 import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 
 import psutil
@@ -51,7 +49,7 @@ from .progress import SwarmProgress
 from .reaper import Reaper
 from .state_sync import StateSync, swarm_target
 from .swarm import join_swarm, visible_addresses
-from .trainer import Trainer
+from .trainer import ComputeThread, Trainer
 
 logger = logging.getLogger("diloco_peer")
 
@@ -109,7 +107,7 @@ class PeerDaemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._request_stop, sig.name)
-        self._start_compute_thread(cfg.run.threads or torch.get_num_threads())
+        self._compute = ComputeThread(cfg.run.threads or torch.get_num_threads())
 
         # before joining: a busy port fails at once, and /healthz says "joining" while we look for the swarm
         server = MetricsServer(self.metrics, cfg.metrics) if cfg.metrics.port else None
@@ -119,28 +117,14 @@ class PeerDaemon:
             with logging_redirect_tqdm() if self.tty else contextlib.nullcontext():
                 return await self._run(reaper)
         finally:
-            self._compute.shutdown(wait=False)
+            self._compute.close()
             reaper.close()
             if server is not None:
                 server.close()
 
-    def _start_compute_thread(self, threads: int) -> None:
-        """One thread runs all of our torch work (training, eval, outer steps) with ``threads`` intra-op threads;
-        every other thread of the process runs torch single-threaded.
-
-        Why: each thread that runs a parallel torch op leads its own OpenMP team, and once libgomp manages more
-        threads than there are cores it stops spin-waiting between ops and puts its workers to sleep after
-        each one. Measured on 2 cores: training steps sent to whichever ``asyncio.to_thread`` worker ran at
-        half the speed of the same steps in a single thread (bench/daemon_overhead.py).
-        """
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="compute", initializer=_own_threads,
-                                           initargs=(threads,))
-        self._compute.submit(int).result()  # the initializer has run: that thread keeps ``threads``
-        torch.set_num_threads(1)  # this thread, and those started from now on
-
     async def compute(self, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)`` on the compute thread (see ``_start_compute_thread``)."""
-        return await asyncio.get_running_loop().run_in_executor(self._compute, partial(fn, *args, **kwargs))
+        """``fn(*args, **kwargs)`` on the compute thread, where all of our torch work runs."""
+        return await self._compute.run(fn, *args, **kwargs)
 
     def _watch_children(self, reaper: Reaper) -> None:
         # the processes we started (not the host's other children, e.g. in tests); torch's shared-memory
@@ -385,13 +369,6 @@ class PeerDaemon:
         with self.sync.lock:  # a peer downloading our state sees the state before or after, never between
             self.outer.step(update)
             self.sync.after_outer_step()
-
-
-def _own_threads(threads: int) -> None:
-    torch.set_num_threads(threads)
-    # torch applies the thread count to a thread at its first parallel op, from a process-wide value that
-    # the caller resets to 1 next; get_num_threads() makes this thread take ``threads`` now
-    torch.get_num_threads()
 
 
 def _name(process: psutil.Process) -> str:

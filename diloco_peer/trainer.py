@@ -7,9 +7,12 @@ syncs with the host more than once per step (the loss for the log), so the daemo
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -118,3 +121,35 @@ class Trainer:
             with self._autocast():
                 losses.append(self.model(batch[:, :-1], batch[:, 1:]).float())
         return torch.stack(losses).mean().item()
+
+
+class ComputeThread:
+    """The one thread that runs a peer's torch work (training, eval, outer steps) with ``threads``
+    intra-op threads; every other thread of the process runs torch single-threaded from then on.
+
+    Why one: each thread that runs a parallel torch op leads its own OpenMP team, and once libgomp manages
+    more threads than there are cores it stops spin-waiting between ops and puts its workers to sleep
+    after each one. Measured on 2 cores: training steps sent to whichever ``asyncio.to_thread`` worker
+    was free ran at 0.55 of a bare loop's speed (bench/daemon_overhead.py); on this thread, at 1.0.
+    """
+
+    def __init__(self, threads: int):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="compute", initializer=_own_threads,
+                                        initargs=(threads,))
+        self._pool.submit(int).result()  # the initializer has run: that thread keeps ``threads``
+        torch.set_num_threads(1)  # the calling thread, and every thread that starts torch work from now on
+
+    async def run(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the compute thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+def _own_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+    # torch applies the thread count to a thread at its first parallel op, from a process-wide value that
+    # ComputeThread resets to 1 next; get_num_threads() makes this thread take ``threads`` now
+    torch.get_num_threads()
+

@@ -2,6 +2,8 @@
 
 import itertools
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -106,3 +108,27 @@ def test_fp32_on_cpu(corpus, precision):
 def test_asking_for_a_missing_gpu_is_a_config_error():
     with pytest.raises(ConfigError, match="inner.device='cuda'.*auto or cpu"):
         pick_device("cuda")
+
+
+COMPUTE_THREAD_PROBE = """
+import asyncio, threading, torch
+from diloco_peer.trainer import ComputeThread
+
+async def main():
+    compute = ComputeThread(3)
+    try:
+        on_compute = await compute.run(lambda: (threading.current_thread().name, torch.get_num_threads()))
+        elsewhere = await asyncio.to_thread(torch.get_num_threads)
+        print(on_compute[0].split("_")[0], on_compute[1], torch.get_num_threads(), elsewhere)
+    finally:
+        compute.close()
+
+asyncio.run(main())
+"""
+
+
+def test_the_compute_thread_alone_runs_torch_multithreaded():
+    # in a subprocess: the probe changes this process's torch thread settings for good
+    out = subprocess.run([sys.executable, "-c", COMPUTE_THREAD_PROBE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["compute", "3", "1", "1"]  # compute thread, event loop thread, a worker
