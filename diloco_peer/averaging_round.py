@@ -1,17 +1,10 @@
 """One outer round's all-reduce: find a group through the DHT and average the pseudo-gradients.
 
-This wraps hivemind's ``DecentralizedAverager`` (matchmaking + butterfly all-reduce) with two changes,
-both made by subclassing rather than forking:
-
-1. **Exact results.** Stock hivemind reducers send back ``average - your_part`` and every member adds
-   that delta to its own part. In floating point ``mine + (avg - mine) != avg`` in the last bits, and
-   the error differs per member, so replicas drift apart bit by bit. Here reducers send the average
-   itself (and a reducer keeps exactly what it sends, compression round-trip included), so every
-   member of a group ends the round with the very same bytes: DiLoCo replicas stay bit-identical.
-2. **Our codecs on the wire.** bf16, per-block int8 and int4 (``compression.py``) travel under codes
-   hivemind does not know, so the runner decodes every message with ``compression.deserialize``.
-3. **Traffic accounting.** The payload bytes of every all-reduce message sent and received are counted
-   in a small shared-memory tensor that the daemon reads after each round.
+This wraps hivemind's ``DecentralizedAverager`` (matchmaking + butterfly all-reduce), by subclassing
+rather than forking: its groups run ``allreduce.ExactAllReduceRunner`` (exact results, our codecs, byte
+counts, checked numbers), and it guards who takes part: a group member or a state download must pass
+admission (``admission.py``: swarm secret, allowlist) and must not be banned (``robust_aggregation.BanList``:
+peers whose contributions were refused repeatedly). Offenses cross to the daemon through a queue.
 
 A round that cannot find a group or whose all-reduce fails returns ``ok=False`` with the reason; the
 caller then takes a solo outer step. Nothing here raises into the training loop.
@@ -21,32 +14,38 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing as mp
 import os
-import signal
+import queue
 import time
 from dataclasses import dataclass, field
+from typing import AsyncIterator  # not collections.abc: hivemind reads the handler type by its typing name
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, BannedException
-from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression
+from hivemind.averaging.partition import AllreduceException
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 from hivemind.dht import DHT
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
 from hivemind.utils.streaming import combine_from_streaming
 
+from .admission import Admission
+from .allreduce import FAILED_VALUES, RECEIVED, SENT, TRANSFER_US, ExactAllReduceRunner
 from .compression import ErrorFeedback, WireCompression, deserialize, get_codec
 from .config import AveragingConfig
+from .robust_aggregation import BanList, Limits
 
-_SENT, _RECEIVED, _FAILED_VALUES, _TRANSFER_US = 0, 1, 2, 3
+logger = logging.getLogger(__name__)
+
 FAULT_ENV = "DILOCO_PEER_FAULT"
 """Fault injection, for the tests only: ``crash_in_allreduce:N`` makes the peer die (SIGKILL, its main
 process too) in the middle of its N-th all-reduce, as a reducer that has received a first part and
-answered nobody yet: the worst moment for the others. ``poison:nan`` / ``poison:X`` make it send NaNs /
-its pseudo-gradient times X: a broken or malicious peer."""
+answered nobody yet: the worst moment for the others. A broken or malicious peer: ``poison:nan`` /
+``poison:X`` / ``poison:signflip`` send NaNs / the pseudo-gradient times X / its negation,
+``poison:shape`` sends parts one value short, ``poison:weight`` claims a weight of 1e12 tokens."""
 
 
 def wire_compression(name: str) -> CompressionBase:
@@ -63,144 +62,80 @@ class _ExpectedFailuresInOneLine(logging.Filter):
         return not expected or logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 
 
-class _CountingStub:
-    """Wraps a peer's averaging stub so that the all-reduce messages we exchange with it are counted."""
-
-    def __init__(self, stub, runner: _ExactAllReduceRunner):
-        self._stub, self._runner = stub, runner
-
-    async def rpc_aggregate_part(self, inputs):
-        stream = await self._stub.rpc_aggregate_part(self._runner._count(inputs, _SENT))
-        return self._runner._count(stream, _RECEIVED)
-
-
-class _ExactAllReduceRunner(AllReduceRunner):
-    """An AllReduceRunner whose reducers return averages instead of deltas (see the module docstring)."""
-
-    def __init__(self, *, traffic: torch.Tensor, crash: bool = False, **kwargs):
-        super().__init__(**kwargs)
-        self._crash = crash
-        # outputs are averages now: a failed reducer's part must fall back to our own values, not to zeros
-        self.tensor_part_container.return_deltas = False
-        self._traffic = traffic
-        self._replying = 0  # reply streams to other members still open (their last bytes not yet counted)
-        self._replies_done = asyncio.Event()
-        self._replies_done.set()
-        self._compression = self.tensor_part_container.compression
-        self._lossless = isinstance(self._compression, NoCompression)
-
-    def _encode(self, tensor: torch.Tensor):
-        return self._compression.compress(tensor, CompressionInfo.from_tensor(tensor))
-
-    async def _count(self, messages, slot: int):
-        async for message in messages:
-            self._traffic[slot] += message.ByteSize()
-            yield message
-
-    def _get_peer_stub(self, peer):
-        return _CountingStub(super()._get_peer_stub(peer), self)
-
-    async def rpc_aggregate_part(self, stream, context):
-        self._replying += 1
-        self._replies_done.clear()
-        try:
-            async for message in super().rpc_aggregate_part(self._count(stream, _RECEIVED), context):
-                self._traffic[_SENT] += message.ByteSize()
-                yield message
-        finally:
-            self._replying -= 1
-            if self._replying == 0:
-                self._replies_done.set()
-
-    async def wait_for_replies(self, timeout: float) -> None:
-        """Wait (at most ``timeout``) until we have answered every member whose parts we reduce.
-
-        Our own averages can be complete while our replies to others are still being encoded: waiting
-        keeps a round's byte counts whole (sent == received across the group) and our reducer's work
-        inside the round it belongs to.
-        """
-        try:
-            await asyncio.wait_for(self._replies_done.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
-
-    async def _communicate_with_peer(self, peer_id):
-        peer_index = self.ordered_peer_ids.index(peer_id)
-        if peer_id == self.peer_id:
-            # our own shard: we are its reducer; keep exactly the bytes the other members receive
-            sender_index = self.sender_peer_ids.index(peer_id)
-            for part_index, part in enumerate(self.parts_for_local_averaging):
-                averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
-                                                                          weight=self.weight)
-                if not self._lossless:
-                    averaged = deserialize(self._encode(averaged))
-                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
-            return
-        # as in hivemind, but decoding with our codecs too
-        try:
-            done_sending = asyncio.Event()
-            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
-            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
-            if self.should_delay_results(self.peer_id):
-                await done_sending.wait()
-
-            def _decode(message):
-                if message.code != averaging_pb2.AVERAGED_PART:
-                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
-                return deserialize(message.tensor_part)
-
-            part_index = 0
-            async for averaged in amap_in_executor(_decode, aiter_with_timeout(stream, self.reducer_timeout),
-                                                   max_prefetch=self.tensor_part_container.prefetch):
-                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
-                part_index += 1
-            expected = self.tensor_part_container.num_parts_by_peer[peer_index]
-            if part_index != expected:
-                raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected}")
-        except BaseException:
-            self.tensor_part_container.register_failed_reducer(peer_index)
-            raise
-
-    async def _accumulate_parts_streaming(self, stream, sender_index: int):
-        # as in hivemind, but the reply is the averaged part itself rather than (average - sender's part)
-        loop = asyncio.get_event_loop()
-        part_index = 0
-        try:
-            async for part, weight in amap_in_executor(
-                lambda msg: (deserialize(msg.tensor_part), msg.weight),
-                stream,
-                max_prefetch=self.tensor_part_container.prefetch,
-            ):
-                if self._crash:
-                    os.kill(os.getppid(), signal.SIGKILL)  # the daemon; its reaper takes the DHT and p2pd along
-                    os.kill(os.getpid(), signal.SIGKILL)
-                try:
-                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight)
-                    part_index += 1
-                except BannedException:
-                    break
-                serialized = await loop.run_in_executor(None, self._encode, averaged)
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
-        finally:
-            if part_index != self.tensor_part_reducer.num_parts:
-                await self._ban_sender(self.sender_peer_ids[sender_index])
-
-
 class PseudoGradientAverager(DecentralizedAverager):
     """hivemind's averager with exact (non-delta) results and byte counters; runs in its own process.
 
     It also serves and fetches the peer's state (see ``state_sync.py``): ``state_provider`` is called in
     this (host) process whenever another peer downloads our state, and ``download_state_from`` fetches
     the state of one chosen donor, where hivemind's ``load_state_from_peers`` always picks the donor itself.
+
+    :param limits: the bounds every incoming part and average is checked against
+    :param admission: who may join our groups and download our state
+    :param bans: the ban list (enforced in the averager process)
+    :param progress_key: the DHT key of the swarm's progress records; in a swarm closed by a secret, only
+      peers with a record there may download our state (only secret holders can write to that DHT)
     """
 
-    def __init__(self, averaged_tensors, dht: DHT, **kwargs):
+    def __init__(self, averaged_tensors, dht: DHT, *, limits: Limits = Limits(), admission: Admission = Admission(),
+                 bans: BanList | None = None, progress_key: str = "", **kwargs):
         self.traffic = torch.zeros(4, dtype=torch.int64).share_memory_()
         self.state_provider = None
+        self.limits, self.admission, self.progress_key = limits, admission, progress_key
+        self.bans = bans if bans is not None else BanList(ban_after=2, ban_seconds=600.0)
+        self.offenses = mp.Queue()
+        """(peer id, kind, detail, banned now) for every refused contribution, read by the host process."""
         fault = os.environ.get(FAULT_ENV, "")
         self._crash_in_allreduce = int(fault.split(":")[1]) if fault.startswith("crash_in_allreduce:") else 0
         self._allreduces = 0
         super().__init__(averaged_tensors, dht, **kwargs)
+
+    def _report(self, peer_id: PeerID, kind: str, detail: str) -> None:
+        # in the averager process: count the offense, ban a repeat offender, tell the host
+        peer = peer_id.to_base58()
+        banned_now = self.bans.record(peer)
+        logger.warning(f"refused a contribution of peer {peer}: {kind}: {detail}"
+                       + (f"; banned for {self.bans.ban_seconds:g}s" if banned_now else ""))
+        self.offenses.put((peer, kind, detail, banned_now))
+
+    def _refusal(self, peer_id: PeerID, gathered: bytes | None) -> tuple[str, str]:
+        """(kind, why) if ``peer_id``, showing the data it gathers with a group, may not be in our group."""
+        peer = peer_id.to_base58()
+        if self.bans.is_banned(peer):
+            return "banned", f"peer {peer} is banned for repeated offenses"
+        proof = None
+        if self.admission.secret is not None:
+            try:
+                proof = self.serializer.loads(self.serializer.loads(gathered)[2]).get("proof", b"")
+            except Exception:
+                proof = b""
+        why = self.admission.refuses(peer, proof)
+        return ("unadmitted", why) if why else ("", "")
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
+                             context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        kind, why = self._refusal(context.remote_id, request.gather)
+        if why:
+            if kind != "banned":  # a banned peer knocking again is not a new offense
+                self._report(context.remote_id, kind, why)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        peer = context.remote_id.to_base58()
+        why = "banned" if self.bans.is_banned(peer) else self.admission.refuses(peer, None)
+        if not why and self.admission.secret is not None and self.progress_key:
+            found = await self.dht.get(self.progress_key, latest=True, return_future=True)
+            entries = found.value.values() if found is not None and isinstance(found.value, dict) else []
+            holders = {entry.value.get("peer_id") for entry in entries if isinstance(entry.value, dict)}
+            why = "" if peer in holders else f"peer {peer} has no progress record in the swarm's DHT"
+        if why:
+            logger.warning(f"refused to serve our state to {peer}: {why}")
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
 
     def get_current_state(self):
         if self.state_provider is None:
@@ -216,6 +151,8 @@ class PseudoGradientAverager(DecentralizedAverager):
     async def _download_state_from(self, donor: str, timeout: float, future: MPFuture) -> None:
         # runs in the averager process; ``timeout`` bounds the wait for each chunk, not the whole download
         try:
+            if self.bans.is_banned(donor) or self.admission.refuses(donor, None):
+                raise RuntimeError(f"donor {donor} is banned or not admitted")
             stub = self.get_stub(self._p2p, PeerID.from_base58(donor), namespace=self.prefix)
             stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
             metadata, tensors, parts, received = None, [], [], 0
@@ -240,9 +177,20 @@ class PseudoGradientAverager(DecentralizedAverager):
         started = time.perf_counter()
         group_id = group_info.group_id if group_id is None else group_id
         self._allreduces += 1
-        runner = _ExactAllReduceRunner(
+        for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
+            kind, why = self._refusal(peer_id, gathered) if peer_id != self.peer_id else ("", "")
+            if why:  # a leader let in a peer we refuse (or is one): we average with nobody in this group
+                if kind != "banned":
+                    self._report(peer_id, kind, why)
+                error = AllreduceException(f"refused to average with this group: {why}")
+                self._running_groups[group_id].set_exception(error)  # members waiting for us get an error now
+                raise error
+        runner = ExactAllReduceRunner(
             traffic=self.traffic,
+            limits=self.limits,
+            on_offense=lambda peer_id, problem: self._report(peer_id, problem.kind, problem.detail),
             crash=self._allreduces == self._crash_in_allreduce,
+            truncate=os.environ.get(FAULT_ENV, "") == "poison:shape",
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -256,8 +204,8 @@ class PseudoGradientAverager(DecentralizedAverager):
             tensor.copy_(averaged)
         # by now every sender has started streaming to us (our last part needed all of theirs)
         await runner.wait_for_replies(timeout=runner.reducer_timeout or 5.0)
-        self.traffic[_FAILED_VALUES] += runner.tensor_part_container.failed_size
-        self.traffic[_TRANSFER_US] += int((time.perf_counter() - started) * 1e6)
+        self.traffic[FAILED_VALUES] += runner.tensor_part_container.failed_size
+        self.traffic[TRANSFER_US] += int((time.perf_counter() - started) * 1e6)
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
@@ -277,6 +225,8 @@ class RoundResult:
     transfer_seconds: float = 0.0
     """The all-reduce proper, after matchmaking: where the bytes moved (``seconds`` includes matchmaking)."""
     error: str = ""
+    offenses: list[dict] = field(default_factory=list)
+    """Contributions of other peers our averager refused since the last round (see ``offenses()``)."""
 
 
 class RoundAverager:
@@ -285,11 +235,14 @@ class RoundAverager:
     :param dht: a running DHT (the averager gets its own process and shares the DHT's p2p daemon)
     :param shapes: the parameter shapes, in model order
     :param run_id: averaging happens under the DHT prefix ``{run_id}_outer``
-    :param cfg: the ``[averaging]`` section: timeouts, codec, declared bandwidth
+    :param cfg: the ``[averaging]`` section: timeouts, codec, declared bandwidth, checks and bans
+    :param admission: who may average with us (default: everyone)
     """
 
-    def __init__(self, dht: DHT, shapes: list[torch.Size], run_id: str, cfg: AveragingConfig):
-        self.cfg = cfg
+    def __init__(self, dht: DHT, shapes: list[torch.Size], run_id: str, cfg: AveragingConfig,
+                 admission: Admission = Admission()):
+        self.cfg, self.admission = cfg, admission
+        self.peer_id = dht.peer_id.to_base58()
         self.feedback = ErrorFeedback(get_codec(cfg.compression)) if cfg.error_feedback else None
         fault = os.environ.get(FAULT_ENV, "")
         self._poison = fault.split(":", 1)[1] if fault.startswith("poison:") else ""
@@ -314,6 +267,11 @@ class RoundAverager:
             bandwidth=cfg.bandwidth or None,
             shutdown_timeout=5,
             declare_state_period=max(cfg.heartbeat * 3, 5.0),
+            limits=Limits(max_update_ratio=cfg.max_update_ratio, max_weight_ratio=cfg.max_weight_ratio,
+                          robust=cfg.aggregation == "robust", min_cosine=cfg.min_cosine),
+            admission=admission,
+            bans=BanList(cfg.ban_after, cfg.ban_seconds),
+            progress_key=f"{run_id}_progress",
         )
 
     async def average(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int) -> RoundResult:
@@ -327,14 +285,18 @@ class RoundAverager:
                 target.copy_(source)
                 if self._poison == "nan":
                     target.fill_(float("nan"))
-                elif self._poison:
+                elif self._poison == "signflip":
+                    target.neg_()
+                elif self._poison not in ("", "shape", "weight"):
                     target.mul_(float(self._poison))
+        if self._poison == "weight":
+            weight = 1e12  # claims to have trained on a trillion tokens: its part would swamp the mean
         # one matchmaking key per outer epoch: a late peer still averaging epoch e never lands in the group
         # of epoch e+1, where its pseudo-gradient (relative to older weights) would poison everyone's step
         await asyncio.to_thread(self.averager.set_group_bits, format(epoch, "b"))
         control = self.averager.step(
             weight=float(weight),
-            gather={"epoch": epoch, "tokens": int(weight)},
+            gather={"epoch": epoch, "tokens": int(weight), "proof": self.admission.proof(self.peer_id)},
             # deadline for *finding* a group: after the round gate, peers arrive within a second, so one
             # matchmaking period suffices; three leave room for a retry (the all-reduce has its own timeout)
             timeout=self.cfg.matchmaking_time * 3,
@@ -357,9 +319,20 @@ class RoundAverager:
     def _result(self, ok: bool, started: float, before: torch.Tensor, **kwargs) -> RoundResult:
         delta = (self.averager.traffic - before).tolist()
         return RoundResult(
-            ok=ok, seconds=time.perf_counter() - started, bytes_sent=delta[_SENT], bytes_received=delta[_RECEIVED],
-            values_not_averaged=delta[_FAILED_VALUES], transfer_seconds=delta[_TRANSFER_US] / 1e6, **kwargs,
+            ok=ok, seconds=time.perf_counter() - started, bytes_sent=delta[SENT], bytes_received=delta[RECEIVED],
+            values_not_averaged=delta[FAILED_VALUES], transfer_seconds=delta[TRANSFER_US] / 1e6,
+            offenses=self.offenses(), **kwargs,
         )
+
+    def offenses(self) -> list[dict]:
+        """Contributions our averager refused since the last call: {offender, kind, detail, banned}."""
+        found = []
+        while True:
+            try:
+                peer, kind, detail, banned = self.averager.offenses.get_nowait()
+            except queue.Empty:
+                return found
+            found.append({"offender": peer, "kind": kind, "detail": detail, "banned": banned})
 
     def reset_feedback(self) -> None:
         """Forget the error-feedback residual (after a state sync replaced the weights it belonged to)."""
@@ -368,19 +341,3 @@ class RoundAverager:
 
     def shutdown(self) -> None:
         self.averager.shutdown()
-
-
-def refuse_update(update: list[torch.Tensor], own: list[torch.Tensor], max_ratio: float) -> str:
-    """Why an averaged pseudo-gradient must not be applied ("" if it may): a peer that sent NaNs or a
-    huge vector (broken hardware, a buggy fork, an attacker) must not poison our weights."""
-    bad = sum(int((~torch.isfinite(t)).sum()) for t in update)
-    if bad:
-        return f"{bad} non-finite values"
-    norm, own_norm = _norm(update), _norm(own)
-    if max_ratio and norm > max_ratio * max(own_norm, 1e-12):
-        return f"norm {norm:.3g} is {norm / max(own_norm, 1e-12):.0f}x ours (averaging.max_update_ratio={max_ratio:g})"
-    return ""
-
-
-def _norm(tensors: list[torch.Tensor]) -> float:
-    return float(torch.sqrt(sum(t.double().pow(2).sum() for t in tensors)))

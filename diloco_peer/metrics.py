@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from . import __version__
 from .config import ConfigError, MetricsConfig
+from .robust_aggregation import OFFENSE_KINDS
 
 if TYPE_CHECKING:
     from .monitor import SwarmMonitor
@@ -80,6 +81,10 @@ class PeerMetrics:
         self.last_outer_step = Gauge("diloco_last_outer_step_timestamp_seconds", "When the last outer step was "
                                      "taken (unix time); for stall alerts", registry=r)
         self.up = Gauge("diloco_peer_up", "1 while the peer trains, 0 once it is leaving", registry=r)
+        self.rejected = Counter("diloco_rejected_contributions", "Contributions of other peers refused, by why: "
+                                "malformed, shape, non_finite, weight, norm, direction, unadmitted, banned",
+                                ["kind"], registry=r)
+        self.bans = Counter("diloco_peer_bans", "Peers banned for repeated offenses", registry=r)
         self.status = {"status": "joining", "epoch": 0, "last_outer_step": None}
         """What ``/healthz`` reports; "training" between the ``start`` and ``stop`` events."""
         self.name, self.state, self.tokens_per_second = "", "joining", 0.0
@@ -93,6 +98,8 @@ class PeerMetrics:
             self.phase.labels(phase)
         for result in ("ok", "failed"):
             self.syncs.labels(result)
+        for kind in OFFENSE_KINDS:
+            self.rejected.labels(kind)
 
     def observe(self, event: dict) -> None:
         """Update the metrics from one event-log entry (unknown events are ignored)."""
@@ -164,6 +171,11 @@ class PeerMetrics:
     def _on_checkpoint(self, e: dict) -> None:
         self.checkpoint_duration.observe(e["seconds"])
         self.last_checkpoint.set(e["time"])
+
+    def _on_offense(self, e: dict) -> None:
+        self.rejected.labels(e["kind"]).inc()
+        if e["banned"]:
+            self.bans.inc()
 
     def _on_stop(self, e: dict) -> None:
         self.up.set(0)

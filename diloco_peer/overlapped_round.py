@@ -32,8 +32,9 @@ import time
 
 import torch
 
-from .averaging_round import RoundAverager, RoundResult, refuse_update
+from .averaging_round import RoundAverager, RoundResult
 from .progress import ReadyDecision, SwarmProgress
+from .robust_aggregation import refuse_update
 
 logger = logging.getLogger("diloco_peer")
 
@@ -96,6 +97,7 @@ class OverlappedRounds:
             decision = ReadyDecision(1, 1, 0.0, "error")
             result = RoundResult(ok=False, error=f"{type(e).__name__}: {e}")
         self.pending = None
+        self.peer.report_offenses(result)
         wait_seconds = time.perf_counter() - waited
         epoch = outer.epoch
         outcome = "averaged" if result.ok else ("failed" if decision.ready > 1 else "solo")

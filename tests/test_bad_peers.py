@@ -6,9 +6,10 @@ import pytest
 import torch
 from conftest import FAST
 
-from diloco_peer.averaging_round import FAULT_ENV, refuse_update
+from diloco_peer.averaging_round import FAULT_ENV
 from diloco_peer.checkpoint import load_file
 from diloco_peer.config import load_config
+from diloco_peer.robust_aggregation import refuse_update
 
 
 def test_an_average_with_nans_or_a_huge_norm_is_refused():

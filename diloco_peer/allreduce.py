@@ -1,0 +1,198 @@
+"""The butterfly all-reduce of one group, as hivemind runs it, with our changes made by subclassing.
+
+1. **Exact results.** Stock hivemind reducers send back ``average - your_part`` and every member adds
+   that delta to its own part. In floating point ``mine + (avg - mine) != avg`` in the last bits, and
+   the error differs per member, so replicas drift apart bit by bit. Here reducers send the average
+   itself (and a reducer keeps exactly what it sends, compression round-trip included), so every
+   member of a group ends the round with the very same bytes: DiLoCo replicas stay bit-identical.
+2. **Our codecs on the wire.** bf16, per-block int8 and int4 (``compression.py``) travel under codes
+   hivemind does not know, so the runner decodes every message with ``compression.deserialize``.
+3. **Traffic accounting.** The payload bytes of every all-reduce message sent and received are counted
+   in a small shared-memory tensor (slots ``SENT``, ``RECEIVED``, ...) that the daemon reads after each round.
+4. **Checked numbers** (``robust_aggregation.py``): every part a reducer receives and every average a
+   member gets back is checked (shape, finite, weight, norm; direction in robust mode) before use; an
+   offender is dropped from the round and reported through ``on_offense``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.compression import CompressionInfo, NoCompression
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+
+from .compression import deserialize
+from .robust_aggregation import BadContribution, CheckedPartReducer, Limits, check_average
+
+SENT, RECEIVED, FAILED_VALUES, TRANSFER_US = 0, 1, 2, 3
+
+
+class _CountingStub:
+    """Wraps a peer's averaging stub so that the all-reduce messages we exchange with it are counted."""
+
+    def __init__(self, stub, runner: ExactAllReduceRunner):
+        self._stub, self._runner = stub, runner
+
+    async def rpc_aggregate_part(self, inputs):
+        stream = await self._stub.rpc_aggregate_part(self._runner._count(inputs, SENT))
+        return self._runner._count(stream, RECEIVED)
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """An AllReduceRunner whose reducers return averages instead of deltas (see the module docstring)."""
+
+    def __init__(self, *, traffic: torch.Tensor, limits: Limits, on_offense, crash: bool = False,
+                 truncate: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self._crash, self._truncate = crash, truncate
+        self._limits, self._on_offense = limits, on_offense
+        own = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
+        self.tensor_part_reducer = CheckedPartReducer(
+            self.tensor_part_reducer.part_shapes, len(self.sender_peer_ids), own=own, limits=limits,
+            on_refused=lambda sender, problem: self._refuse_sender(self.sender_peer_ids[sender], problem))
+        # outputs are averages now: a failed reducer's part must fall back to our own values, not to zeros
+        self.tensor_part_container.return_deltas = False
+        self._traffic = traffic
+        self._replying = 0  # reply streams to other members still open (their last bytes not yet counted)
+        self._replies_done = asyncio.Event()
+        self._replies_done.set()
+        self._compression = self.tensor_part_container.compression
+        self._lossless = isinstance(self._compression, NoCompression)
+
+    def _refuse_sender(self, peer_id: PeerID, problem: BadContribution) -> None:
+        # reported once per round and sender; the sender is dropped from every part it has not sent yet
+        if peer_id not in self.banned_senders:
+            self._on_offense(peer_id, problem)
+        asyncio.create_task(self._ban_sender(peer_id))
+
+    def _encode(self, tensor: torch.Tensor):
+        return self._compression.compress(tensor, CompressionInfo.from_tensor(tensor))
+
+    async def _count(self, messages, slot: int):
+        async for message in messages:
+            self._traffic[slot] += message.ByteSize()
+            yield message
+
+    async def _generate_input_for_peer(self, peer_index: int):
+        async for message in super()._generate_input_for_peer(peer_index):
+            if self._truncate:  # fault injection (``poison:shape``): a buggy fork that drops a value per part
+                message.tensor_part.CopyFrom(self._encode(deserialize(message.tensor_part)[:-1]))
+            yield message
+
+    def _get_peer_stub(self, peer):
+        return _CountingStub(super()._get_peer_stub(peer), self)
+
+    async def rpc_aggregate_part(self, stream, context):
+        self._replying += 1
+        self._replies_done.clear()
+        try:
+            async for message in super().rpc_aggregate_part(self._count(stream, RECEIVED), context):
+                self._traffic[SENT] += message.ByteSize()
+                yield message
+        finally:
+            self._replying -= 1
+            if self._replying == 0:
+                self._replies_done.set()
+
+    async def wait_for_replies(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) until we have answered every member whose parts we reduce.
+
+        Our own averages can be complete while our replies to others are still being encoded: waiting
+        keeps a round's byte counts whole (sent == received across the group) and our reducer's work
+        inside the round it belongs to.
+        """
+        try:
+            await asyncio.wait_for(self._replies_done.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _communicate_with_peer(self, peer_id):
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        if peer_id == self.peer_id:
+            # our own shard: we are its reducer; keep exactly the bytes the other members receive
+            sender_index = self.sender_peer_ids.index(peer_id)
+            for part_index, part in enumerate(self.parts_for_local_averaging):
+                averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
+                                                                          weight=self.weight)
+                if not self._lossless:
+                    averaged = deserialize(self._encode(averaged))
+                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+            return
+        # as in hivemind, but decoding with our codecs too
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+
+            own_parts = [part for part, _ in self.tensor_part_container._input_parts_by_peer[peer_index]]
+
+            def _decode(message):
+                if message.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                try:
+                    return deserialize(message.tensor_part)
+                except Exception as e:
+                    return BadContribution("malformed", f"undecodable averaged part: {type(e).__name__}: {e}")
+
+            part_index = 0
+            async for averaged in amap_in_executor(_decode, aiter_with_timeout(stream, self.reducer_timeout),
+                                                   max_prefetch=self.tensor_part_container.prefetch):
+                try:
+                    if isinstance(averaged, BadContribution):
+                        raise averaged
+                    if part_index >= len(own_parts):
+                        raise BadContribution("shape", f"more than the {len(own_parts)} averaged parts expected")
+                    check_average(averaged, own_parts[part_index], self._limits)
+                except BadContribution as problem:
+                    self._on_offense(peer_id, problem)
+                    raise AllreduceException(f"refused the average of reducer {peer_id}: {problem}") from None
+                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+                part_index += 1
+            expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+            if part_index != expected:
+                raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected}")
+        except BaseException:
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        # as in hivemind, but the reply is the averaged part itself rather than (average - sender's part)
+        loop = asyncio.get_event_loop()
+        part_index = 0
+
+        def _decode(message):
+            try:
+                return deserialize(message.tensor_part), message.weight
+            except Exception as e:
+                return BadContribution("malformed", f"undecodable part: {type(e).__name__}: {e}"), 0.0
+
+        try:
+            async for part, weight in amap_in_executor(_decode, stream,
+                                                       max_prefetch=self.tensor_part_container.prefetch):
+                if self._crash:
+                    os.kill(os.getppid(), signal.SIGKILL)  # the daemon; its reaper takes the DHT and p2pd along
+                    os.kill(os.getpid(), signal.SIGKILL)
+                try:
+                    if isinstance(part, BadContribution):
+                        raise part
+                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight)
+                    part_index += 1
+                except BadContribution as problem:
+                    self._refuse_sender(self.sender_peer_ids[sender_index], problem)
+                    break
+                except BannedException:
+                    break
+                serialized = await loop.run_in_executor(None, self._encode, averaged)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])

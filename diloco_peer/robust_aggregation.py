@@ -1,0 +1,214 @@
+"""Robust aggregation: what a peer checks before another peer's numbers touch its weights.
+
+hivemind's all-reduce trusts the data path: a reducer adds whatever a sender streams, with whatever weight
+the sender claims, and a member applies whatever its reducers send back. A swarm open to strangers meets
+broken hardware, buggy forks and attackers, so here every number is checked where it enters:
+
+- **as a reducer**, each incoming part of a pseudo-gradient (``CheckedPartReducer``): exact shape, float32,
+  finite, a sane weight (finite, positive, at most ``max_weight_ratio`` times our own tokens), and a norm at
+  most ``max_update_ratio`` times our own part's. In ``robust`` mode, once a part is in from every sender,
+  parts pointing against the group (cosine with the coordinate-wise median below ``min_cosine``) are dropped and
+  the rest are clipped to the median norm and averaged with weights clipped to the median weight, so that
+  no single member can move the average far, whatever it sends;
+- **as a member**, each averaged part a reducer sends back (``check_average``): shape, finite, norm against
+  our own part; in robust mode its direction too;
+- **after the round**, the whole average (``refuse_update``), the last line of defence.
+
+A violating sender is dropped from the round (hivemind's own mechanism for a failed sender: the others
+average without it), a violating reducer's parts are not used (we keep our own values there and re-sync
+after the round); both are reported as offenses, and ``BanList`` bans a repeat offender for a while. The
+arithmetic of an honest round is unchanged (the weighted mean, summed in sender order, so it is the same
+bytes on every run).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from hivemind.averaging.partition import TensorPartReducer
+
+OFFENSE_KINDS = ("malformed", "shape", "non_finite", "weight", "norm", "direction", "unadmitted", "banned")
+"""Labels of ``diloco_rejected_contributions_total``: why a peer's contribution was refused."""
+
+
+class BadContribution(Exception):
+    """A peer's part or average failed a check; ``kind`` is one of ``OFFENSE_KINDS``."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind, self.detail = kind, detail
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The checks' bounds, from the ``[averaging]`` section (plain numbers: they cross into the averager
+    process)."""
+
+    max_update_ratio: float = 10.0
+    max_weight_ratio: float = 10.0
+    robust: bool = False
+    min_cosine: float = 0.0
+
+
+def _norm(t: torch.Tensor) -> float:
+    return float(t.double().norm())
+
+
+def check_arrival(part: torch.Tensor, shape: torch.Size, weight: float, limits: Limits) -> None:
+    """Checks that need nothing but the part itself; raises ``BadContribution``."""
+    if part.shape != shape:
+        raise BadContribution("shape", f"part of shape {tuple(part.shape)}, expected {tuple(shape)}")
+    if part.dtype != torch.float32:
+        raise BadContribution("shape", f"part of dtype {part.dtype}, expected float32")
+    if not bool(torch.isfinite(part).all()):
+        raise BadContribution("non_finite", f"{int((~torch.isfinite(part)).sum())} non-finite values")
+    if not (weight == weight and 0 < weight < float("inf")):
+        raise BadContribution("weight", f"weight {weight!r} (must be finite and positive)")
+
+
+def aggregate(parts: dict[int, tuple[torch.Tensor, float]], own: int | None,
+              limits: Limits) -> tuple[torch.Tensor, list[tuple[int, BadContribution]]]:
+    """Average one part's contributions ``{sender: (part, weight)}``; ``own`` is our sender index (trusted).
+
+    Returns the average and the senders refused, with why. Contributions are summed in sender order.
+    """
+    refused: list[tuple[int, BadContribution]] = []
+    norms = {s: _norm(p) for s, (p, _) in parts.items()}
+    if own is not None and own in parts:
+        own_part, own_weight = parts[own]
+        for s, (p, w) in parts.items():
+            if s == own:
+                continue
+            if limits.max_weight_ratio and w > limits.max_weight_ratio * own_weight:
+                refused.append((s, BadContribution("weight", f"weight {w:g} is {w / max(own_weight, 1e-12):.0f}x ours "
+                                                             f"(averaging.max_weight_ratio={limits.max_weight_ratio:g})")))
+            elif limits.max_update_ratio and norms[s] > limits.max_update_ratio * max(norms[own], 1e-12):
+                refused.append((s, BadContribution("norm", f"part norm {norms[s]:.3g} is "
+                                                           f"{norms[s] / max(norms[own], 1e-12):.0f}x ours "
+                                                           f"(averaging.max_update_ratio={limits.max_update_ratio:g})")))
+    kept = {s: pw for s, pw in parts.items() if s not in {r for r, _ in refused}}
+    if limits.robust and own in kept and len(kept) >= 2:
+        # the direction to agree with: the coordinate-wise median of all parts (a minority cannot move it), or
+        # with only one other sender, our own part (a mean of two cannot tell which of them is wrong)
+        if len(kept) > 2:
+            reference = torch.stack([p for p, _ in kept.values()]).median(dim=0).values.double().flatten()
+        else:
+            reference = kept[own][0].double().flatten()
+        for s, (p, _) in kept.items():
+            if s == own:
+                continue
+            cosine = float(torch.nn.functional.cosine_similarity(p.double().flatten(), reference, dim=0))
+            if cosine < limits.min_cosine:
+                refused.append((s, BadContribution("direction", f"cosine {cosine:.2f} with the group's median "
+                                                                f"(averaging.min_cosine={limits.min_cosine:g})")))
+        kept = {s: pw for s, pw in kept.items() if s not in {r for r, _ in refused}}
+    if limits.robust and len(kept) >= 2:
+        median_norm = float(torch.tensor([norms[s] for s in kept], dtype=torch.float64).quantile(0.5))
+        median_weight = float(torch.tensor([w for _, w in kept.values()], dtype=torch.float64).quantile(0.5))
+        kept = {s: (p * min(1.0, median_norm / max(norms[s], 1e-30)) if norms[s] > median_norm else p,
+                    min(w, median_weight)) for s, (p, w) in kept.items()}
+    result = torch.zeros_like(next(iter(parts.values()))[0])
+    denominator = 0.0
+    for s in sorted(kept):
+        p, w = kept[s]
+        result.add_(p, alpha=w)
+        denominator += w
+    return result.div_(denominator), refused
+
+
+def check_average(averaged: torch.Tensor, own_part: torch.Tensor, limits: Limits) -> None:
+    """Check an averaged part a reducer sent back against the part we sent it; raises ``BadContribution``."""
+    check_arrival(averaged, own_part.shape, 1.0, limits)
+    norm, own_norm = _norm(averaged), _norm(own_part)
+    # a weighted mean is never longer than its longest input, and every input passed the reducer's norm check
+    if limits.max_update_ratio and norm > limits.max_update_ratio * max(own_norm, 1e-12):
+        raise BadContribution("norm", f"averaged part norm {norm:.3g} is {norm / max(own_norm, 1e-12):.0f}x ours "
+                                      f"(averaging.max_update_ratio={limits.max_update_ratio:g})")
+    if limits.robust and own_norm > 0 and norm > 0:
+        cosine = float(torch.nn.functional.cosine_similarity(averaged.double().flatten(),
+                                                             own_part.double().flatten(), dim=0))
+        if cosine < limits.min_cosine:
+            raise BadContribution("direction", f"averaged part has cosine {cosine:.2f} with ours "
+                                               f"(averaging.min_cosine={limits.min_cosine:g})")
+
+
+class CheckedPartReducer(TensorPartReducer):
+    """hivemind's reducer, but each part is checked on arrival and averaged by ``aggregate`` once complete.
+
+    :param own: our index among the senders (None if we send nothing): our part is the trusted reference
+    :param on_refused: called with (sender index, ``BadContribution``) for every refused contribution; the
+      caller drops that sender from the rest of the round
+    """
+
+    def __init__(self, part_shapes, num_senders: int, *, own: int | None, limits: Limits,
+                 on_refused: Callable[[int, BadContribution], None]):
+        self.own, self.limits, self.on_refused = own, limits, on_refused
+        self.contributions: dict[int, dict[int, tuple[torch.Tensor, float]]] = {}
+        super().__init__(part_shapes, num_senders)
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        if 0 <= part_index < self.num_parts and sender_index != self.own:
+            check_arrival(tensor_part, self.part_shapes[part_index], weight, self.limits)
+        self.contributions.setdefault(part_index, {})[sender_index] = (tensor_part, weight)
+        return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
+
+    def check_current_part_finished(self):
+        if self.current_part_accumulated_from < self.num_current_senders:
+            return
+        index = self.current_part_index
+        parts = {s: pw for s, pw in self.contributions.pop(index, {}).items() if index < self.sender_failed_after[s]}
+        result, refused = aggregate(parts, self.own, self.limits) if parts else (self.accumulator, [])
+        self.current_part_future.set_result(result)
+        self.reset_accumulators()
+        for sender, problem in refused:
+            self.on_refused(sender, problem)
+
+
+class BanList:
+    """Offenses per peer; a peer with ``ban_after`` offenses within ``ban_seconds`` is banned that long.
+
+    Lives in the averager process, where it is enforced: a banned peer cannot join our group, cannot be in a
+    group we average in, and cannot download our state.
+    """
+
+    def __init__(self, ban_after: int, ban_seconds: float, clock=time.monotonic):
+        self.ban_after, self.ban_seconds, self.clock = ban_after, ban_seconds, clock
+        self.offenses: dict[str, list[float]] = {}
+        self.banned_until: dict[str, float] = {}
+
+    def record(self, peer: str) -> bool:
+        """Count an offense of ``peer``; True if it is banned from now on (and was not before)."""
+        now = self.clock()
+        recent = [t for t in self.offenses.get(peer, []) if now - t < self.ban_seconds] + [now]
+        self.offenses[peer] = recent
+        if len(recent) >= self.ban_after and not self.is_banned(peer):
+            self.banned_until[peer] = now + self.ban_seconds
+            return True
+        return False
+
+    def is_banned(self, peer: str) -> bool:
+        until = self.banned_until.get(peer)
+        if until is None:
+            return False
+        if self.clock() >= until:
+            del self.banned_until[peer]
+            self.offenses.pop(peer, None)
+            return False
+        return True
+
+
+def refuse_update(update: list[torch.Tensor], own: list[torch.Tensor], max_ratio: float) -> str:
+    """Why an averaged pseudo-gradient must not be applied ("" if it may): a peer that sent NaNs or a
+    huge vector (broken hardware, a buggy fork, an attacker) must not poison our weights."""
+    bad = sum(int((~torch.isfinite(t)).sum()) for t in update)
+    if bad:
+        return f"{bad} non-finite values"
+    norm = float(torch.sqrt(sum(t.double().pow(2).sum() for t in update)))
+    own_norm = float(torch.sqrt(sum(t.double().pow(2).sum() for t in own)))
+    if max_ratio and norm > max_ratio * max(own_norm, 1e-12):
+        return f"norm {norm:.3g} is {norm / max(own_norm, 1e-12):.0f}x ours (averaging.max_update_ratio={max_ratio:g})"
+    return ""

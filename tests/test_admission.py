@@ -1,0 +1,165 @@
+"""A closed swarm: only holders of its secret (or allowlisted peer ids) talk to its DHT and average with it."""
+
+import asyncio
+import os
+import stat
+
+import pytest
+import torch
+from hivemind.dht import DHT
+from hivemind.proto import dht_pb2
+from hivemind.utils import get_dht_time
+
+from diloco_peer.admission import Admission, AdmissionError, SwarmSecretAuthorizer, load_admission, write_secret
+from diloco_peer.averaging_round import RoundAverager
+from diloco_peer.config import AveragingConfig, SwarmConfig
+from diloco_peer.swarm import BootstrapUnreachable, start_dht
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+SHAPES = [torch.Size([200]), torch.Size([10, 10])]
+CFG = AveragingConfig(matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=20.0)
+
+
+def test_a_secret_proof_is_bound_to_the_peer_id_and_the_secret():
+    swarm, other = Admission(SECRET), Admission(SECRET[::-1])
+    assert swarm.refuses("peerA", swarm.proof("peerA")) == ""
+    assert "secret" in swarm.refuses("peerA", swarm.proof("peerB"))  # someone else's proof
+    assert "secret" in swarm.refuses("peerA", other.proof("peerA"))  # another swarm's secret
+    assert "secret" in swarm.refuses("peerA", b"")
+    listed = Admission(allowlist=frozenset({"peerA"}))
+    assert listed.refuses("peerA", None) == "" and "allowlist" in listed.refuses("peerB", None)
+    assert not Admission().closed and swarm.closed and listed.closed
+
+
+def test_the_secret_file_and_allowlist_are_validated_with_one_line_errors(tmp_path):
+    path = tmp_path / "swarm.secret"
+    write_secret(str(path))
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and len(path.read_text().strip()) == 64
+    with pytest.raises(AdmissionError, match="exists"):
+        write_secret(str(path))
+    admission = load_admission(str(path), ["12D3KooWGfoZeTxSgTg5dhQUKATGDjDLbbSSNDCBk6TRqS9nGX7H"])
+    assert admission.secret == path.read_bytes().strip() and len(admission.allowlist) == 1
+    for secret_file, allowlist, message in [
+        (str(tmp_path / "missing"), [], "cannot read swarm.secret_file"),
+        (str(tmp_path), [], "cannot read swarm.secret_file"),  # a directory
+        ("", ["not-a-peer-id"], "bad peer id 'not-a-peer-id' in swarm.allowlist"),
+    ]:
+        with pytest.raises(AdmissionError, match=message) as caught:
+            load_admission(secret_file, allowlist)
+        assert "\n" not in str(caught.value)
+    short = tmp_path / "short.secret"
+    short.write_text("hunter2\n")
+    with pytest.raises(AdmissionError, match="fewer than 16"):
+        load_admission(str(short), [])
+
+
+def test_dht_messages_are_signed_and_checked():
+    async def run():
+        ours, theirs = SwarmSecretAuthorizer(SECRET), SwarmSecretAuthorizer(SECRET[::-1])
+        request = dht_pb2.PingRequest(validate=True)
+        await ours.sign_request(request, None)
+        wire = request.SerializeToString()
+        assert await ours.validate_request(dht_pb2.PingRequest.FromString(wire))
+        assert not await ours.validate_request(dht_pb2.PingRequest.FromString(wire))  # a replay
+        assert not await theirs.validate_request(dht_pb2.PingRequest.FromString(wire))  # another secret
+        tampered = dht_pb2.PingRequest.FromString(wire)
+        tampered.validate = False
+        assert not await SwarmSecretAuthorizer(SECRET).validate_request(tampered)
+        stale = dht_pb2.PingRequest(validate=True)
+        await ours.sign_request(stale, None)
+        stale.auth.time -= 3600
+        stale.auth.signature = b""
+        stale.auth.signature = ours._mac(b"request", stale)  # validly signed, but an hour old
+        assert not await ours.validate_request(stale)
+        unsigned = dht_pb2.PingRequest(validate=True)
+        assert not await ours.validate_request(unsigned)
+
+        response = dht_pb2.PingResponse(available=True)
+        await ours.sign_response(response, request)
+        assert await ours.validate_response(response, request)
+        assert not await theirs.validate_response(response, request)
+        response.available = False
+        assert not await ours.validate_response(response, request)
+        assert ours.refused >= 4
+
+    asyncio.run(run())
+
+
+def _swarm_config(tmp_path, name: str, secret: bytes | None) -> SwarmConfig:
+    secret_file = ""
+    if secret is not None:
+        path = tmp_path / f"{name}.secret"
+        path.write_bytes(secret)
+        path.chmod(0o600)
+        secret_file = str(path)
+    return SwarmConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"], secret_file=secret_file, startup_timeout=10)
+
+
+def test_only_holders_of_the_secret_can_join_the_dht(tmp_path):
+    boot = start_dht(_swarm_config(tmp_path, "boot", SECRET), [])
+    started = [boot]
+    try:
+        address = [str(a) for a in boot.get_visible_maddrs()]
+        member = start_dht(_swarm_config(tmp_path, "member", SECRET), address)
+        started.append(member)
+        assert member.store("greeting", "hello", expiration_time=get_dht_time() + 60)
+        assert boot.get("greeting", latest=True).value == "hello"
+        for name, secret in [("outsider", None), ("other-swarm", SECRET[::-1])]:
+            with pytest.raises(BootstrapUnreachable, match="secret"):
+                started.append(start_dht(_swarm_config(tmp_path, name, secret), address))
+    finally:
+        for dht in started:
+            dht.shutdown()
+
+
+@pytest.fixture
+def dhts():
+    started = []
+
+    def make(count: int) -> list[DHT]:
+        root = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        started.append(root)
+        addrs = [str(a) for a in root.get_visible_maddrs()]
+        for _ in range(count):
+            started.append(DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=addrs))
+        return started[1:]
+
+    yield make
+    for dht in started:
+        dht.shutdown()
+
+
+async def _rounds(averagers, inputs, epoch):
+    return await asyncio.wait_for(asyncio.gather(
+        *(a.average(x, weight=100, epoch=epoch) for a, x in zip(averagers, inputs))), 60)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("closed_by", ["secret", "allowlist"])
+def test_an_unadmitted_peer_never_averages_with_the_swarm(dhts, closed_by):
+    """The DHT is shared here (open), so the outsider finds the group: the averagers must refuse it."""
+    nodes = dhts(3)
+    ids = [n.peer_id.to_base58() for n in nodes]
+    if closed_by == "secret":
+        admissions = [Admission(SECRET), Admission(SECRET), Admission(SECRET[::-1])]
+    else:
+        members = frozenset(ids[:2])
+        admissions = [Admission(allowlist=members), Admission(allowlist=members), Admission()]
+    averagers = [RoundAverager(n, SHAPES, "closed-run", CFG, a) for n, a in zip(nodes, admissions)]
+    inputs = [[torch.full(s, float(i + 1)) for s in SHAPES] for i in range(3)]
+    offenses, member_groups = [], []
+    try:
+        for epoch in range(2):
+            results = asyncio.run(_rounds(averagers, inputs, epoch))
+            for result in results[:2]:
+                offenses += result.offenses
+                if result.ok:
+                    member_groups.append(result.group_size)
+                    assert all(torch.equal(t, torch.full_like(t, 1.5)) for t in result.averaged)  # members only
+            assert not results[2].ok, results[2]  # the outsider averaged with nobody
+    finally:
+        for a in averagers:
+            a.shutdown()
+    assert member_groups and set(member_groups) == {2}, member_groups
+    assert offenses and {o["offender"] for o in offenses} == {ids[2]}, offenses
+    assert {o["kind"] for o in offenses} == {"unadmitted"}, offenses
