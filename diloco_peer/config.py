@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "tiny-cpu"
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+"""Run ids and peer names: they become DHT keys and file names, so no slashes, spaces or leading dots."""
 
 
 class ConfigError(ValueError):
@@ -29,11 +35,24 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     # strict: "yes" is not a bool and "3" is not an int; extra keys are typos, not options.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # No inf/nan: TOML has them, but an infinite rate or timeout only ever fails later, far from its cause.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _fits_the_machine(cls, value: Any) -> Any:
+        # TOML passes both, but torch cannot take an int past 64 bits (seeds, sizes: it fails with
+        # "Overflow when unpacking long" deep in the run) and no file name or DHT key can hold a NUL
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, int) and not isinstance(item, bool) and not -2**63 <= item < 2**63:
+                raise ValueError(f"{item} does not fit in 64 bits: use a smaller number")
+            if isinstance(item, str) and "\x00" in item:
+                raise ValueError(f"{item!r} contains a NUL character (\\x00): remove it")
+        return value
 
 
 class RunConfig(_Section):
-    run_id: str = Field("diloco-tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    run_id: str = Field("diloco-tiny", pattern=NAME_PATTERN)
     """Name of the training run: the DHT namespace. Peers train together iff their run_id is equal."""
     seed: int = 0
     """Seed of the initial weights. Every peer of a swarm must use the same seed (the first round
@@ -42,7 +61,7 @@ class RunConfig(_Section):
     """Leave the swarm cleanly after this many outer rounds; 0 trains until stopped."""
     log_dir: str = "runs"
     """Directory for the peer's JSONL event log (one file per peer)."""
-    threads: int = Field(0, ge=0)
+    threads: int = Field(0, ge=0, le=1024)
     """torch intra-op threads of the peer's compute thread (training, eval, outer steps); 0 keeps torch's default."""
     shutdown_grace: float = Field(30.0, gt=0)
     """Seconds a graceful leave (SIGTERM, Ctrl+C) may take: finish the inner step, write the checkpoint,
@@ -255,13 +274,17 @@ class PeerConfig(_Section):
 def resolve_config_path(name_or_path: str) -> Path:
     """``tiny-cpu`` -> ``configs/tiny-cpu.toml``; any existing path is taken as it is."""
     path = Path(name_or_path)
-    if path.is_file():
-        return path
-    shipped = CONFIG_DIR / f"{name_or_path.removesuffix('.toml')}.toml"
-    if shipped.is_file():
-        return shipped
     known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml")))
-    raise ConfigError(f"config '{name_or_path}' not found: give a TOML file path or one of: {known}")
+    try:
+        if path.is_file():
+            return path
+        shipped = CONFIG_DIR / f"{name_or_path.removesuffix('.toml')}.toml"
+        if shipped.is_file():
+            return shipped
+    except OSError as e:  # e.g. a name too long for the file system
+        raise ConfigError(f"config '{_shorten(name_or_path)}' cannot be read ({e.strerror}): give a TOML file "
+                          f"path or one of: {known}") from None
+    raise ConfigError(f"config '{_shorten(name_or_path)}' not found: give a TOML file path or one of: {known}")
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -277,6 +300,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = raw  # a bare word such as cpu or my-run
     except RecursionError:
         raise ConfigError(f"bad --set value for '{key}': nested too deeply") from None
+    except ValueError:  # Python's int() refuses numbers of more than 4300 digits
+        raise ConfigError(f"bad --set value for '{key}': {_shorten(raw)} is too long a number") from None
     return key.split("."), value
 
 
@@ -304,6 +329,11 @@ def _apply_override(tree: dict, path: list[str], value: Any) -> None:
         model = annotation
 
 
+def _shorten(text: str, limit: int = 80) -> str:
+    """A bad value as the error shows it: whole if short, its start and length if not."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _format_error(err: ValidationError, source: str) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
@@ -316,7 +346,7 @@ def _format_error(err: ValidationError, source: str) -> str:
         valid = ", ".join(model.model_fields)
         return f"unknown config key '{loc}' in {source}: not in [{section or 'top level'}] (valid: {valid})"
     if "input" in first and first["type"] not in ("value_error", "missing"):
-        return f"bad value for '{loc}' in {source}: {first['input']!r}: {msg}"
+        return f"bad value for '{loc}' in {source}: {_shorten(repr(first['input']))}: {msg}"
     return f"bad config in {source}{' at ' + loc if loc else ''}: {msg.removeprefix('Value error, ')}"
 
 
@@ -327,6 +357,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pe
         tree = tomllib.loads(config_path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{config_path} is not valid TOML: {e}") from None
+    except ValueError as e:  # a number of more than 4300 digits (Python's int() limit)
+        raise ConfigError(f"{config_path} is not usable TOML: {_shorten(str(e))}") from None
+    except RecursionError:
+        raise ConfigError(f"{config_path} is not usable TOML: arrays or tables nested too deeply") from None
     except OSError as e:
         raise ConfigError(f"cannot read config {config_path}: {e.strerror}") from None
     for item in overrides:
@@ -336,3 +370,52 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pe
         return PeerConfig.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_format_error(e, source)) from None
+
+
+def _is_int_at_least(low: int):
+    def check(value: str) -> bool:
+        try:
+            return int(value) >= low  # int(), as hivemind reads these
+        except ValueError:
+            return False
+    return check
+
+
+def _is_fault(value: str) -> bool:
+    """The grammar of averaging_round.FAULT_ENV; a typo there would silently inject no fault at all."""
+    kind, _, arg = value.partition(":")
+    if kind == "crash_in_allreduce":
+        return re.fullmatch(r"[0-9]+", arg) is not None and int(arg) >= 1
+    if kind == "poison":
+        try:
+            float(arg)
+            return True
+        except ValueError:
+            return False
+    return False
+
+
+ENVIRONMENT = {
+    # ours: fault injection for the tests (see averaging_round.py); empty is the same as unset
+    "DILOCO_PEER_FAULT": (lambda v: v == "" or _is_fault(v), "crash_in_allreduce:N (N >= 1), poison:nan or poison:X"),
+    # hivemind's, read when it is imported: a bad value there is a traceback from deep inside hivemind
+    "HIVEMIND_LOGLEVEL": (lambda v: v in logging.getLevelNamesMapping(), "DEBUG, INFO, WARNING, ERROR or CRITICAL"),
+    "HIVEMIND_MEMORY_SHARING_STRATEGY": (lambda v: v in ("file_system", "file_descriptor"),
+                                         "file_system or file_descriptor"),
+    "HIVEMIND_DHT_NUM_WORKERS": (_is_int_at_least(1), "an integer >= 1"),
+    "HIVEMIND_SHM_BUFFER_SIZE": (_is_int_at_least(1), "an integer >= 1"),
+    "QUANTIZATION_THREADS": (_is_int_at_least(1), "an integer >= 1"),
+    "USE_LEGACY_BFLOAT16": (lambda v: v in ("0", "1"), "0 or 1"),
+}
+"""The environment variables that change what diloco-peer does: name -> (check, what a good value is)."""
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Raise a ConfigError naming the first environment variable of ``ENVIRONMENT`` with a bad value.
+
+    Call it before hivemind is imported: hivemind reads most of these at import time."""
+    for name, (is_good, expected) in ENVIRONMENT.items():
+        value = environ.get(name)
+        if value is not None and not is_good(value):
+            raise ConfigError(f"bad environment variable {name}={_shorten(repr(value))}: expected {expected}; "
+                              f"fix it or unset it (unset {name})")

@@ -1,11 +1,29 @@
-"""The config tree: shipped configs parse, overrides are typed like TOML, every mistake is one clear line."""
+"""The config tree: shipped configs parse, overrides are typed like TOML, every mistake is one clear line;
+the environment variables we (and hivemind) read are checked; nothing in the package loads with pickle."""
 
+import ast
+import json
+import math
 import random
 import string
+from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from diloco_peer.config import CONFIG_DIR, ConfigError, PeerConfig, load_config
+import diloco_peer
+from diloco_peer.config import (
+    CONFIG_DIR,
+    ENVIRONMENT,
+    ConfigError,
+    PeerConfig,
+    check_environment,
+    load_config,
+)
+
+# the fuzz tests of this file together take a few seconds; no example database is written to the checkout
+FUZZ = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def one_line(message: str) -> bool:
@@ -173,3 +191,265 @@ def test_line_break_in_a_set_item_still_gives_one_line(item):
 
 def test_deeply_nested_value_is_a_config_error():
     config_error("inner.betas=" + "[" * 2000 + "]" * 2000)
+
+
+def test_numbers_too_long_for_python_are_config_errors(tmp_path):
+    assert "too long a number" in config_error("run.seed=" + "1" * 5000)
+    path = tmp_path / "long.toml"
+    path.write_text("[run]\nseed = " + "1" * 5000 + "\n")
+    assert "long.toml" in config_error(path=path)
+    path.write_text("[inner]\nbetas = " + "[" * 5000 + "]" * 5000 + "\n")
+    assert "nested too deeply" in config_error(path=path)
+
+
+@pytest.mark.parametrize("override, must_contain", [
+    ("inner.lr=inf", ["inner.lr", "finite"]),
+    ("averaging.allreduce_timeout=1e999", ["averaging.allreduce_timeout", "finite"]),
+    ("inner.betas=[0.9, nan]", ["inner.betas", "finite"]),
+    ("run.seed=18446744073709551616", ["run.seed", "64 bits"]),
+    ("data.num_shards=-9223372036854775809", ["data.num_shards"]),
+    ("run.threads=100000", ["run.threads"]),
+    ('run.log_dir="a\\u0000b"', ["run.log_dir", "NUL"]),
+    ('data.paths=["ok.txt", "\\u0000"]', ["data.paths", "NUL"]),
+    ("inner.lr=" + "x" * 500, ["inner.lr", "characters)"]),
+])
+def test_values_that_would_only_fail_deep_in_the_run_are_refused(override, must_contain):
+    message = config_error(override)
+    for part in must_contain:
+        assert part in message
+    assert len(message) < 400, message  # a huge value is shown cut short
+
+
+def test_a_config_path_too_long_for_the_file_system_is_a_config_error():
+    assert "cannot be read" in config_error(path="x" * 5000)
+
+
+# --- fuzzing: whatever the input, a valid PeerConfig or a one-line ConfigError, never another exception
+
+def _config_keys() -> list[str]:
+    return [f"{section}.{key}" for section, field in PeerConfig.model_fields.items()
+            for key in field.annotation.model_fields]
+
+
+CONFIG_KEYS = _config_keys()
+SECTIONS = list(PeerConfig.model_fields)
+
+
+def toml_value(value) -> str:
+    """``value`` in TOML syntax (json.dumps writes a string the way TOML's basic strings read it)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)} = {toml_value(v)}" for k, v in value.items()) + "}"
+
+
+SCALARS = st.one_of(
+    st.booleans(),
+    st.integers(min_value=-10, max_value=10_000),
+    st.integers(),  # hypothesis' own edge cases: 0, -1, 2**63, 2**64, huge
+    st.floats(),  # nan, inf, -0.0, subnormals, 1e308
+    st.text(max_size=20),  # unicode, empty
+    st.sampled_from(["cpu", "stdlib", "files", "bf16", "int4", "delayed", "robust", "/ip4/0.0.0.0/tcp/0"]),
+)
+TOML_VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=6), inner, max_size=2), max_leaves=6)
+RAW_VALUES = st.one_of(
+    TOML_VALUES.map(toml_value),
+    st.sampled_from(["", "nan", "+inf", "-inf", "1e999", "-0", "0x7fffffffffffffff", "1_000", "9" * 40, "[", "]",
+                     "{", '"', "'", "[[]]", "{x=1}", "yes", "none", "1979-05-27", "'\\u0000'"]),
+    st.text(max_size=30),  # a bare word, or garbage
+    st.integers(4290, 4400).map(lambda digits: "9" * digits),  # around Python's int() limit of 4300 digits
+    st.integers(1, 3000).map(lambda depth: "[" * depth + "]" * depth),
+)
+KEYS = st.one_of(
+    st.sampled_from(CONFIG_KEYS),
+    st.sampled_from(SECTIONS),
+    st.builds(lambda key, tail: f"{key}.{tail}", st.sampled_from(CONFIG_KEYS), st.text(max_size=5)),
+    st.text(max_size=20),
+)
+OVERRIDES = st.one_of(st.builds(lambda key, value: f"{key}={value}", KEYS, RAW_VALUES), st.text(max_size=30))
+
+
+def load_all_or_error(path, overrides: list[str]) -> PeerConfig | ConfigError:
+    """The loaded config or the ConfigError; any other exception propagates and fails the test."""
+    try:
+        return load_config(path, overrides)
+    except ConfigError as e:
+        return e
+
+
+def leaves(tree):
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from leaves(value)
+    elif isinstance(tree, list):
+        for value in tree:
+            yield from leaves(value)
+    else:
+        yield tree
+
+
+def assert_config_or_one_line_error(outcome) -> None:
+    if isinstance(outcome, ConfigError):
+        assert one_line(str(outcome)) and str(outcome).strip(), repr(str(outcome))
+        return
+    assert isinstance(outcome, PeerConfig)
+    outcome.fingerprint()  # a config that loads is usable...
+    for value in leaves(outcome.model_dump()):  # ...and holds nothing that fails only deep in the run
+        assert not isinstance(value, float) or math.isfinite(value), outcome
+        assert not isinstance(value, int) or -2**63 <= value < 2**63, outcome
+        assert not isinstance(value, str) or "\x00" not in value, outcome
+
+
+@FUZZ
+@given(st.lists(OVERRIDES, max_size=4))
+def test_fuzzed_set_overrides_load_or_give_one_line_errors(overrides):
+    assert_config_or_one_line_error(load_all_or_error(None, overrides))
+
+
+def toml_file(tree: dict) -> str:
+    """A TOML document of ``tree``: top-level values first, then one [table] per dict."""
+    lines = [f"{json.dumps(k, ensure_ascii=False)} = {toml_value(v)}" for k, v in tree.items()
+             if not isinstance(v, dict)]
+    for name, table in tree.items():
+        if isinstance(table, dict):
+            lines.append(f"[{json.dumps(name, ensure_ascii=False)}]")
+            lines += [f"{json.dumps(k, ensure_ascii=False)} = {toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+TABLES = st.dictionaries(st.one_of(st.sampled_from(SECTIONS), st.text(max_size=8)),
+                         st.one_of(st.dictionaries(st.one_of(st.sampled_from([k.split(".")[1] for k in CONFIG_KEYS]),
+                                                             st.text(max_size=8)), TOML_VALUES, max_size=4),
+                                   SCALARS), max_size=4)
+DOCUMENTS = st.one_of(
+    TABLES.map(toml_file).map(str.encode),
+    # a shipped config with a random cut, insertion or deletion (mostly valid TOML with one odd value)
+    st.builds(lambda text, at, junk, cut: (text[:at] + junk + text[at + cut:]).encode(),
+              st.just((CONFIG_DIR / "tiny-cpu.toml").read_text()), st.integers(0, 2000), st.text(max_size=10),
+              st.integers(0, 20)),
+    st.binary(max_size=200),
+    st.integers(1, 3000).map(lambda depth: f"[inner]\nbetas = {'[' * depth}{']' * depth}\n".encode()),
+)
+
+
+@pytest.fixture(scope="module")
+def fuzz_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fuzz")  # one for all examples: hypothesis calls the test many times
+
+
+@FUZZ
+@given(DOCUMENTS, st.lists(OVERRIDES, max_size=2))
+def test_fuzzed_config_files_load_or_give_one_line_errors(fuzz_dir, document, overrides):
+    path = fuzz_dir / "fuzzed.toml"
+    path.write_bytes(document)
+    assert_config_or_one_line_error(load_all_or_error(path, overrides))
+
+
+# --- environment variables
+
+@pytest.mark.parametrize("name, value", [
+    ("DILOCO_PEER_FAULT", ""), ("DILOCO_PEER_FAULT", "crash_in_allreduce:3"), ("DILOCO_PEER_FAULT", "poison:1000"),
+    ("DILOCO_PEER_FAULT", "poison:nan"), ("HIVEMIND_LOGLEVEL", "WARNING"), ("HIVEMIND_LOGLEVEL", "DEBUG"),
+    ("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_system"), ("HIVEMIND_DHT_NUM_WORKERS", "8"),
+    ("HIVEMIND_SHM_BUFFER_SIZE", "16"), ("QUANTIZATION_THREADS", "4"), ("USE_LEGACY_BFLOAT16", "0"),
+])
+def test_good_environment_values_pass(name, value):
+    check_environment({name: value})
+
+
+@pytest.mark.parametrize("name, value", [
+    ("DILOCO_PEER_FAULT", "crash_in_allreduce:x"), ("DILOCO_PEER_FAULT", "crash_in_allreduce:0"),
+    ("DILOCO_PEER_FAULT", "crash:3"), ("DILOCO_PEER_FAULT", "poison:lots"), ("DILOCO_PEER_FAULT", "poison"),
+    ("HIVEMIND_LOGLEVEL", "loud"), ("HIVEMIND_LOGLEVEL", "debug"), ("HIVEMIND_LOGLEVEL", ""),
+    ("HIVEMIND_MEMORY_SHARING_STRATEGY", "shared"), ("HIVEMIND_DHT_NUM_WORKERS", "0"),
+    ("HIVEMIND_DHT_NUM_WORKERS", "four"), ("HIVEMIND_SHM_BUFFER_SIZE", ""), ("QUANTIZATION_THREADS", "-1"),
+    ("USE_LEGACY_BFLOAT16", "yes"),
+])
+def test_bad_environment_values_are_one_line_errors_naming_variable_and_value(name, value):
+    with pytest.raises(ConfigError) as err:
+        check_environment({"HOME": "/root", name: value})
+    message = str(err.value)
+    assert one_line(message) and f"{name}={value!r}" in message and f"unset {name}" in message
+
+
+def test_the_fault_variable_the_averager_reads_is_checked():
+    from diloco_peer.averaging_round import FAULT_ENV
+
+    assert FAULT_ENV in ENVIRONMENT
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(sorted(ENVIRONMENT)), st.text(max_size=30)))
+def test_fuzzed_environment_passes_or_gives_one_line_errors(environ):
+    try:
+        check_environment(environ)
+    except ConfigError as e:
+        assert one_line(str(e)) and "bad environment variable" in str(e)
+
+
+# --- nothing loads with pickle
+
+PICKLE_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "shelve", "marshal", "joblib"}
+
+
+def pickle_loaders(source: str) -> list[str]:
+    """Ways ``source`` could run code hidden in data it reads: pickle-based modules, ``torch.load`` without
+    ``weights_only=True``, ``allow_pickle=True``, ``yaml.load``/``unsafe_load``, ``read_pickle``, eval/exec."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [f"line {node.lineno}: import {n}" for n in names if n.split(".")[0] in PICKLE_MODULES]
+        if not isinstance(node, ast.Call):
+            continue
+        func = ast.unparse(node.func)
+        keywords = {k.arg: k.value for k in node.keywords}
+        weights_only = keywords.get("weights_only")
+        if func.endswith("torch.load") and not (isinstance(weights_only, ast.Constant) and weights_only.value is True):
+            found.append(f"line {node.lineno}: {func}(...) without weights_only=True")
+        allow = keywords.get("allow_pickle")
+        if allow is not None and not (isinstance(allow, ast.Constant) and allow.value is False):
+            found.append(f"line {node.lineno}: {func}(..., allow_pickle=...)")
+        if func.split(".")[-1] in ("unsafe_load", "full_load", "read_pickle") or func in ("eval", "exec") or (
+                func.endswith("yaml.load") and "Loader" not in keywords):
+            found.append(f"line {node.lineno}: {func}(...)")
+    return found
+
+
+@pytest.mark.parametrize("source", [
+    "import pickle", "from cloudpickle import loads", "import torch\ntorch.load(f)",
+    "torch.load(f, weights_only=False)", "import numpy as np\nnp.load(f, allow_pickle=True)",
+    "import yaml\nyaml.load(text)", "eval(text)", "pd.read_pickle(f)",
+])
+def test_the_pickle_scan_finds_pickle_loaders(source):
+    assert pickle_loaders(source), source
+
+
+def test_nothing_in_the_package_loads_with_pickle():
+    package = Path(diloco_peer.__file__).parent
+    found = {path.name: pickle_loaders(path.read_text()) for path in sorted(package.glob("*.py"))}
+    assert {name: hits for name, hits in found.items() if hits} == {}
+    assert "torch.load(path, map_location=\"cpu\", weights_only=True)" in (package / "checkpoint.py").read_text()
+
+
+def test_msgpack_from_the_network_builds_no_objects_beyond_hivemind_s_own_two():
+    """State-sync metadata and DHT records are msgpack (hivemind's MSGPackSerializer): plain data, tuples, and
+    the ext types registered with it. A new registration (a pickle-backed one, say) must be a conscious choice."""
+    import msgpack
+    from hivemind.dht.storage import DictionaryDHTValue
+    from hivemind.utils.serializer import MSGPackSerializer
+    from hivemind.utils.tensor_descr import BatchTensorDescriptor
+
+    import diloco_peer.daemon  # noqa: F401 (everything a peer imports registers its ext types now)
+
+    assert set(MSGPackSerializer._ext_type_codes.values()) == {DictionaryDHTValue, BatchTensorDescriptor}
+    unknown = msgpack.packb(msgpack.ExtType(0x42, b"\x80\x04c__main__\nEvil\n."))  # a pickle in an ext type
+    assert MSGPackSerializer.loads(unknown) == b"\x80\x04c__main__\nEvil\n."  # left as bytes, not unpickled
