@@ -214,7 +214,7 @@ class SwarmConfig(_Section):
     startup_timeout: float = Field(30.0, gt=0)
     join_timeout: float = Field(300.0, ge=0)
     """If no bootstrap is reachable at start, keep retrying (backoff 2 s doubling to 60 s) for this many
-    seconds before giving up with exit code 1; 0 gives up at once."""
+    seconds before giving up with exit code 3; 0 gives up at once."""
 
 
 class CheckpointConfig(_Section):

@@ -22,7 +22,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .churn import ChurnAction, due, effects, parse_churn
-from .config import load_config
+from .config import ConfigError, PeerConfig, load_config
 from .events import EventFollower, read_events
 from .report import format_table, plot_losses, summarize
 
@@ -89,19 +89,32 @@ class _Progress:
         self.bar.close()
 
 
-def run_demo(args) -> int:
+def check_args(args) -> tuple[PeerConfig, list[ChurnAction]]:
+    """The demo's config and churn schedule; a bad argument is a one-line ConfigError, before anything starts."""
     if args.peers < 1 or args.rounds < 1:
-        print(f"diloco-peer: error: --peers ({args.peers}) and --rounds ({args.rounds}) must be >= 1", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--peers ({args.peers}) and --rounds ({args.rounds}) must be >= 1")
     cfg = load_config(args.config, args.overrides)
     actions = parse_churn(args.churn or "", args.peers, args.rounds)
     joiners = sum(a.count for a in actions if a.action == "join")
     last_port = args.metrics_port_base + args.peers + joiners
     if args.metrics_port_base and not 1024 <= args.metrics_port_base <= last_port <= 65535:
-        print(f"diloco-peer: error: --metrics-port-base {args.metrics_port_base} needs ports up to {last_port} "
-              f"(bootstrap + {args.peers + joiners} peers): pick a base from 1024 to {65535 - args.peers - joiners}",
-              file=sys.stderr)
-        return 2
+        raise ConfigError(f"--metrics-port-base {args.metrics_port_base} needs ports up to {last_port} "
+                          f"(bootstrap + {args.peers + joiners} peers): pick a base from 1024 to "
+                          f"{65535 - args.peers - joiners}")
+    out = Path(args.out)
+    # the demo empties --out of its old logs and keys: never a directory that some other program's files are in
+    try:
+        foreign = out.is_dir() and any(out.iterdir()) and not (out / "bootstrap.log").exists()
+    except OSError as e:
+        raise ConfigError(f"--out {out} cannot be used ({e.strerror}): choose another directory") from None
+    if foreign:
+        raise ConfigError(f"--out {out} holds files of something other than a demo (they would be deleted): "
+                          f"give a new or empty directory")
+    return cfg, actions
+
+
+def run_demo(args) -> int:
+    cfg, actions = check_args(args)
     out = Path(args.out)
     if out.exists():
         for old in [*out.glob("*.jsonl"), *out.glob("*.log"), *out.glob("*.key")]:

@@ -30,7 +30,7 @@ class SwarmError(RuntimeError):
 
 
 class BootstrapUnreachable(SwarmError):
-    """No bootstrap peer answered; retrying later may help."""
+    """No bootstrap peer answered; retrying later may help (the CLI exits with its own code, 3)."""
 
 
 def parse_multiaddr(text: str, *, need_peer_id: bool, what: str = "address") -> Multiaddr:
@@ -51,23 +51,52 @@ def parse_multiaddr(text: str, *, need_peer_id: bool, what: str = "address") -> 
     return addr
 
 
+def _refuse_nul(path: str) -> None:
+    if "\x00" in path:  # pathlib's checks say False for such a path; opening it raises ValueError
+        raise SwarmError(f"bad identity path {path!r}: it contains a NUL character: remove it")
+
+
 def generate_identity(path: str, force: bool = False) -> str:
     """``diloco-peer keygen``: write a new libp2p private key to ``path`` (mode 0600), return its peer id.
 
     The key is the kind ``join``/``bootstrap --identity`` create on first use (RSA, which hivemind's check
     for a second process with the same identity can read)."""
+    _refuse_nul(path)
     target = Path(path).expanduser()
-    if target.is_dir():
-        raise SwarmError(f"bad identity path {path}: it is a directory: give a file name, e.g. {path}/peer.key")
-    if target.exists():
-        if not force:
+    try:
+        if target.is_dir():
+            raise SwarmError(f"bad identity path {path}: it is a directory: give a file name, e.g. {path}/peer.key")
+        if target.exists() and not force:
             raise SwarmError(f"bad identity path {path}: the file exists (a peer's identity is in it): choose "
                              f"another path, or pass --force to replace it")
-        target.unlink()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    P2P.generate_identity(str(target))
+        target.unlink(missing_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        P2P.generate_identity(str(target))
+    except OSError as e:
+        raise SwarmError(f"bad identity path {path}: cannot write it ({e.strerror}): choose a writable path") from None
     os.chmod(target, 0o600)
     return PeerID.from_identity(target.read_bytes()).to_base58()
+
+
+def check_identity(path: str) -> None:
+    """``--identity`` / ``swarm.identity_path`` before the DHT starts: an existing file must hold a libp2p
+    private key; a missing one will be created, so its directory is created now (hivemind does not)."""
+    _refuse_nul(path)
+    target = Path(path)
+    try:
+        if target.is_dir():
+            raise SwarmError(f"bad identity path {path}: it is a directory: give a file name, e.g. {path}/peer.key")
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            return
+        key = target.read_bytes()
+    except OSError as e:
+        raise SwarmError(f"bad identity path {path}: {e.strerror}: give a readable key file, or a new path") from None
+    try:
+        PeerID.from_identity(key)
+    except Exception:  # protobuf and cryptography raise several types for a file that is no key
+        raise SwarmError(f"bad identity file {path}: it holds no libp2p private key: give the file that "
+                         f"'diloco-peer keygen' wrote, or a new path to create one") from None
 
 
 def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool = False) -> DHT:
@@ -113,7 +142,7 @@ async def join_swarm(cfg: SwarmConfig, initial_peers: list[str], should_stop=lam
         except BootstrapUnreachable as e:
             left = cfg.join_timeout - (time.monotonic() - started)
             if left <= 0:
-                raise SwarmError(f"{e} (gave up after swarm.join_timeout={cfg.join_timeout:g}s)") from None
+                raise BootstrapUnreachable(f"{e} (gave up after swarm.join_timeout={cfg.join_timeout:g}s)") from None
             wait = min(delay, left)
             logger.warning(f"{e}; retrying in {wait:.0f}s (up to swarm.join_timeout={cfg.join_timeout:g}s)")
             deadline = time.monotonic() + wait

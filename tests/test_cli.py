@@ -1,7 +1,11 @@
 """The command line against real subprocesses: bad input gets one line and a non-zero exit; the
-bootstrap prints a pasteable join line and keeps its identity across restarts."""
+bootstrap prints a pasteable join line and keeps its identity across restarts. And in-process, fuzzed:
+any argv ends in a documented exit code, with one line on stderr for an error and never a traceback."""
 
+import argparse
+import contextlib
 import fcntl
+import io
 import json
 import os
 import pty
@@ -9,12 +13,19 @@ import re
 import socket
 import struct
 import subprocess
+import sys
 import termios
 import time
+import types
+from pathlib import Path
 
 import pytest
 from conftest import FAST, diloco_cmd, p2pd_pids, wait_for_line
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from diloco_peer import cli
+from diloco_peer.config import PeerConfig
 from diloco_peer.events import EventLog
 
 PEER_ID = "12D3KooWHQEFuYFG1pGNfSsfDsM5nCiACFRgDLDg5faqtUaKTuzT"
@@ -47,6 +58,10 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         (["status", "not-an-address"], 2, "not-an-address"),
         (["keygen", "/tmp"], 2, "is a directory"),
         (["demo", "--metrics-port-base", "65530", "--peers", "8"], 2, "--metrics-port-base 65530"),
+        (["join", GOOD_ADDR, "--config", "/no/such/dir/peer.toml"], 2, "'/no/such/dir/peer.toml' not found"),
+        (["join", GOOD_ADDR, "--name", "../../etc/x"], 2, "'../../etc/x' is not a name"),
+        (["bootstrap", "--report-every", "nan"], 2, "'nan' is not a number of seconds > 0"),
+        (["join"], 2, "BOOTSTRAP_MULTIADDR (see diloco-peer join --help)"),
     ],
 )
 def test_bad_input_one_line_error(args, code, must_contain):
@@ -59,16 +74,86 @@ def test_bad_input_one_line_error(args, code, must_contain):
 
 def test_unknown_command_is_usage_error():
     result = run_cli("frobnicate")
-    assert result.returncode == 2 and "invalid choice" in result.stderr
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("diloco-peer: error: argument COMMAND: invalid choice: 'frobnicate'")
+
+
+@pytest.mark.parametrize("variable, value", [
+    ("DILOCO_PEER_FAULT", "crash_in_allreduce:soon"),  # ours: a typo used to inject no fault, silently
+    ("HIVEMIND_LOGLEVEL", "loud"),  # hivemind's, read at its import: a traceback from inside hivemind
+    ("HIVEMIND_DHT_NUM_WORKERS", "many"),
+])
+def test_bad_environment_variable_is_a_one_line_usage_error(variable, value):
+    result = subprocess.run(diloco_cmd("join", GOOD_ADDR), capture_output=True, text=True, timeout=60,
+                            env={**os.environ, variable: value})
+    assert result.returncode == cli.EXIT_USAGE, result.stderr
+    assert result.stderr == (f"diloco-peer: error: bad environment variable {variable}={value!r}: expected "
+                             f"{cli_expected(variable)}; fix it or unset it (unset {variable})\n")
+
+
+def cli_expected(variable: str) -> str:
+    from diloco_peer.config import ENVIRONMENT
+
+    return ENVIRONMENT[variable][1]
 
 
 def test_unreachable_bootstrap_names_the_address():
     before = p2pd_pids()
     result = run_cli("join", GOOD_ADDR, "--set", "swarm.startup_timeout=10", "--set", "swarm.join_timeout=0")
-    assert result.returncode == 1
+    assert result.returncode == cli.EXIT_UNREACHABLE
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and GOOD_ADDR in lines[0] and "could not reach" in lines[0]
     assert p2pd_pids() <= before, "a failed start must not leave a p2pd daemon behind"
+
+
+def orphaned_p2pd_pids() -> set[int]:
+    """p2pd daemons whose owner died without them (re-parented to init); others' test swarms may run meanwhile."""
+    orphans = set()
+    for pid in p2pd_pids():
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == "1":
+                orphans.add(pid)
+        except OSError:
+            continue
+    return orphans
+
+
+def test_status_of_an_unreachable_swarm_exits_3_at_once():
+    before = orphaned_p2pd_pids()
+    result = run_cli("status", GOOD_ADDR, "--wait", "1")
+    assert result.returncode == cli.EXIT_UNREACHABLE, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("diloco-peer: error: could not reach") and GOOD_ADDR in lines[0]
+    assert orphaned_p2pd_pids() <= before, "a failed status must not leave a p2pd daemon behind"
+
+
+class _Payload:
+    """Unpickling it creates the file ``path``: a checkpoint carrying it shows whether pickled code runs."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs(local_swarm):
+    import torch
+
+    marker = local_swarm.workdir / "pickle-code-ran"
+    checkpoints = local_swarm.workdir / "checkpoints"
+    (checkpoints / "mallory").mkdir(parents=True)
+    torch.save({"format_version": 1, "payload": _Payload(marker)}, checkpoints / "mallory" / "epoch-000009.pt")
+    local_swarm.start_bootstrap()
+    sets = [*FAST, f"checkpoint.dir={json.dumps(str(checkpoints))}",
+            f"run.log_dir={json.dumps(str(local_swarm.workdir))}"]
+    result = run_cli("join", local_swarm.address, "--name", "mallory", *[a for s in sets for a in ("--set", s)],
+                     timeout=120)
+    assert result.returncode == cli.EXIT_USAGE, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "epoch-000009.pt cannot be read" in lines[0] and "delete it" in lines[0], lines
+    assert not marker.exists()
 
 
 def test_bootstrap_prints_join_line_and_keeps_identity(local_swarm):
@@ -95,7 +180,7 @@ def test_bootstrap_prints_join_line_and_keeps_identity(local_swarm):
 def test_unreachable_bootstrap_is_retried_with_backoff_then_given_up():
     started = time.monotonic()
     result = run_cli("join", GOOD_ADDR, "--set", "swarm.join_timeout=5")
-    assert result.returncode == 1
+    assert result.returncode == cli.EXIT_UNREACHABLE
     assert len(re.findall(r"retrying in \d+s", result.stdout)) >= 2, result.stdout
     assert "gave up after swarm.join_timeout=5s" in result.stderr and GOOD_ADDR in result.stderr
     assert 5 <= time.monotonic() - started < 50
@@ -200,3 +285,165 @@ def test_a_sigkilled_bootstrap_leaves_no_orphans(local_swarm):
     while any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
         assert time.monotonic() < deadline, [c for c in children if c.is_running()]
         time.sleep(0.2)
+
+
+# --- in-process fuzzing of the whole command line
+
+def test_exit_codes_are_distinct_and_listed_in_help(capsys):
+    codes = [cli.EXIT_OK, cli.EXIT_RUNTIME, cli.EXIT_USAGE, cli.EXIT_UNREACHABLE, cli.EXIT_INTERRUPTED]
+    assert len(set(codes)) == len(codes)
+    assert cli.main(["--help"]) == cli.EXIT_OK
+    shown = re.findall(r"^  (\d+) ", capsys.readouterr().out.split("exit codes:")[1], re.MULTILINE)
+    assert sorted(map(int, shown)) == sorted(codes)
+
+
+PEER_IDS = [PEER_ID, "QmSq4MCMhk63DNKQPagY7AFijPRZm61djFttAMRReaxVgs"]
+GOOD_ADDRS = [GOOD_ADDR, f"/ip6/::1/tcp/31337/p2p/{PEER_IDS[1]}", f"/dns4/boot.example.org/udp/1/quic/p2p/{PEER_ID}"]
+
+
+def _mutated(text: str, at: int, junk: str, cut: int) -> str:
+    at %= len(text) + 1
+    return text[:at] + junk + text[at + cut:]
+
+
+MULTIADDRS = st.one_of(
+    st.sampled_from(GOOD_ADDRS + ["/ip4/0.0.0.0/tcp/0", "/ip4/1.2.3.4/tcp/31337", "/ip4/999.1.1.1/tcp/1", ""]),
+    st.builds(_mutated, st.sampled_from(GOOD_ADDRS), st.integers(0, 80), st.text(max_size=6), st.integers(0, 8)),
+    st.text(max_size=40),
+)
+
+
+def _safe(text: str) -> bool:
+    """Paths the fuzzer may pass: relative to its scratch directory, which it must not leave."""
+    return not text.startswith(("/", "~")) and ".." not in text
+
+
+GARBAGE = st.one_of(
+    st.sampled_from(["", "-", "--", "-1", "0", "nan", "inf", "-inf", "1e999", "1" * 5000, "\x00", "--set", "x" * 300]),
+    st.text(max_size=20).filter(_safe),
+)
+NUMBERS = st.one_of(st.integers(-5, 70_000).map(str), st.floats().map(str), st.integers().map(str), GARBAGE)
+NAMES = st.one_of(st.sampled_from(["diloco-tiny", "run.2", "peer_0", "a" * 64, "a" * 65, ".hidden", "a b"]), GARBAGE)
+CONFIG_KEYS = [f"{section}.{key}" for section, field in PeerConfig.model_fields.items()
+               for key in field.annotation.model_fields]
+SETS = st.one_of(
+    st.builds(lambda key, value: f"{key}={value}", st.sampled_from(CONFIG_KEYS),
+              st.one_of(NUMBERS, st.sampled_from(['"x"', "[]", "true", '"/ip4/0.0.0.0/tcp/0"']))),
+    st.sampled_from(["outer.inner_steps=5", "data.source=files", 'data.paths=["missing.txt"]',
+                     'run.log_dir="logs/a"', 'checkpoint.dir=""', 'swarm.identity_path="garbage.key"',
+                     'swarm.host_maddrs=["nonsense"]', 'run.log_dir="a_file"']),
+    GARBAGE,
+)
+# the scratch directory holds these (see cli_sandbox); every other path the fuzzer writes is relative to it
+PATHS = st.one_of(st.sampled_from(["new/dir/f", "a_dir", "a_file", "garbage.key", "good.key", "empty_dir",
+                                   "logs/bad.jsonl", "logs/good.jsonl", "logs", "/proc/nope/x", "x" * 5000, ""]),
+                  GARBAGE)
+VALUES = {
+    "bootstrap": MULTIADDRS, "listen": MULTIADDRS, "announce": MULTIADDRS, "initial_peer": MULTIADDRS,
+    "overrides": SETS, "run_id": NAMES, "name": NAMES,
+    "config": st.one_of(st.sampled_from(["tiny-cpu", "llama-1b", "no-such", "a_file", "/no/such.toml"]), GARBAGE),
+    "churn": st.one_of(st.sampled_from(["kill:1@round2", "join:1@round1,term:1@round2", "kill:9@round1"]), GARBAGE),
+    "metrics_host": st.one_of(st.sampled_from(["127.0.0.1", "0.0.0.0", "no such host"]), GARBAGE),
+}
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = cli.build_parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def _values_for(action: argparse.Action) -> st.SearchStrategy:
+    if action.dest in VALUES:
+        return VALUES[action.dest]
+    if action.choices:
+        return st.one_of(st.sampled_from(list(action.choices)), GARBAGE)
+    if action.type is not None:  # the numbers: int, float and cli's bounded types
+        return NUMBERS
+    return PATHS
+
+
+@st.composite
+def argvs(draw) -> list[str]:
+    """An argv of a real command, its real flags (and a few unknown ones), with good, odd and bad values."""
+    command, parser = draw(st.sampled_from(sorted(_subparsers().items())))
+    argv = draw(st.lists(st.sampled_from(["-v", "--verbose"]), max_size=1)) + [command]
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        if not action.option_strings:  # a positional: mostly given, sometimes several, sometimes missing
+            argv += draw(st.lists(_values_for(action), min_size=0 if draw(st.booleans()) else 1, max_size=2))
+        elif draw(st.integers(0, 2)) == 0:
+            flag = draw(st.sampled_from(action.option_strings))
+            for _ in range(draw(st.integers(1, 2)) if isinstance(action, argparse._AppendAction) else 1):
+                argv += [flag] if action.nargs == 0 else [flag, draw(_values_for(action))]
+    if draw(st.integers(0, 9)) == 0:
+        argv.insert(draw(st.integers(0, len(argv))), draw(st.sampled_from(["--no-such-flag", "--help", "-x"])))
+    return argv
+
+
+async def _started(*args, **kwargs) -> int:
+    return cli.EXIT_OK
+
+
+class _StartedDaemon:
+    def __init__(self, cfg, bootstrap, name):
+        pass
+
+    async def run(self) -> int:
+        return cli.EXIT_OK
+
+
+@pytest.fixture(scope="module")
+def cli_sandbox(tmp_path_factory) -> Path:
+    """The fuzzer's scratch directory: a file, directories, a key file and a garbage one, logs good and bad."""
+    root = tmp_path_factory.mktemp("cli-fuzz")
+    (root / "a_dir").mkdir()
+    (root / "empty_dir").mkdir()
+    (root / "a_file").write_text("[inner]\nlr = 1e-3\n")
+    (root / "garbage.key").write_bytes(b"not a key")
+    from diloco_peer.swarm import generate_identity
+
+    generate_identity(str(root / "good.key"))
+    (root / "logs").mkdir()
+    (root / "logs" / "bad.jsonl").write_text("this is not JSON\n")
+    log = EventLog(root / "logs" / "good.jsonl")
+    log.write("start", peer="p0", eval_loss=5.0, epoch=0)
+    log.close()
+    return root
+
+
+@pytest.fixture
+def commands_stopped_at_the_network(monkeypatch, cli_sandbox):
+    """main() validates for real; what would start a DHT, a swarm or training returns 0 instead."""
+    import diloco_peer.bootstrap_node
+    import diloco_peer.demo
+    import diloco_peer.report
+    import diloco_peer.simulate
+    from diloco_peer.events import read_events
+
+    monkeypatch.setitem(sys.modules, "diloco_peer.daemon", types.SimpleNamespace(PeerDaemon=_StartedDaemon))
+    monkeypatch.setattr(diloco_peer.bootstrap_node, "run_bootstrap", _started)
+    monkeypatch.setattr(diloco_peer.bootstrap_node, "run_status", _started)
+    monkeypatch.setattr(diloco_peer.demo, "run_demo", lambda args: cli.EXIT_OK)
+    monkeypatch.setattr(diloco_peer.simulate, "run_simulate", lambda args, cfg: cli.EXIT_OK)
+    # the plot reads every event (a bad log fails as it would), then draws nothing
+    monkeypatch.setattr(diloco_peer.report, "plot_losses",
+                        lambda logs, png: [list(read_events(p)) for p in logs.values()] and png)
+    monkeypatch.chdir(cli_sandbox)
+
+
+@settings(max_examples=150, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(argv=argvs())
+def test_fuzzed_command_lines_exit_with_a_documented_code_and_one_line(commands_stopped_at_the_network, argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    # only validation runs, so: valid (0, or --help), or bad input (2)
+    assert code in (cli.EXIT_OK, cli.EXIT_USAGE), (code, err.getvalue())
+    if code == cli.EXIT_OK:
+        assert err.getvalue() == "", err.getvalue()
+    else:
+        lines = err.getvalue().split("\n")
+        assert len(lines) == 2 and lines[1] == "" and lines[0].startswith("diloco-peer: error: "), err.getvalue()
+        assert "Traceback" not in lines[0]
