@@ -101,13 +101,19 @@ def test_garbage_and_pickles_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="cannot be read"):
         load_file(bad, "x")
 
+    marker = tmp_path / "pickle-code-ran"
+
     class Evil:
-        def __reduce__(self):
-            return (print, ("pickle code ran",))
+        def __reduce__(self):  # unpickling calls open(marker, "w"): the file appears iff the payload runs
+            return (open, (str(marker), "w"))
 
     torch.save({"format_version": 1, "payload": Evil()}, bad)
-    with pytest.raises(CheckpointError, match="cannot be read"):  # weights_only: no pickled code runs
+    torch.load(bad, weights_only=False)  # the payload is live: a pickle-based loader would run it
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(CheckpointError, match="cannot be read") as err:  # weights_only: no pickled code runs
         load_file(bad, "x")
+    assert not marker.exists() and "\n" not in str(err.value)
 
 
 WRITER = textwrap.dedent("""
