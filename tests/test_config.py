@@ -357,7 +357,10 @@ def test_fuzzed_config_files_load_or_give_one_line_errors(fuzz_dir, document, ov
 
 @pytest.mark.parametrize("name, value", [
     ("DILOCO_PEER_FAULT", ""), ("DILOCO_PEER_FAULT", "crash_in_allreduce:3"), ("DILOCO_PEER_FAULT", "poison:1000"),
-    ("DILOCO_PEER_FAULT", "poison:nan"), ("HIVEMIND_LOGLEVEL", "WARNING"), ("HIVEMIND_LOGLEVEL", "DEBUG"),
+    ("DILOCO_PEER_FAULT", "poison:nan"), ("DILOCO_PEER_FAULT", "poison:signflip"),
+    ("DILOCO_PEER_FAULT", "poison:shape"), ("DILOCO_PEER_FAULT", "lie_epoch:1000"),
+    ("DILOCO_PEER_FAULT", "corrupt_state"), ("DILOCO_PEER_FAULT", "corrupt_state:nan"),
+    ("HIVEMIND_LOGLEVEL", "WARNING"), ("HIVEMIND_LOGLEVEL", "DEBUG"),
     ("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_system"), ("HIVEMIND_DHT_NUM_WORKERS", "8"),
     ("HIVEMIND_SHM_BUFFER_SIZE", "16"), ("QUANTIZATION_THREADS", "4"), ("USE_LEGACY_BFLOAT16", "0"),
 ])
@@ -368,6 +371,7 @@ def test_good_environment_values_pass(name, value):
 @pytest.mark.parametrize("name, value", [
     ("DILOCO_PEER_FAULT", "crash_in_allreduce:x"), ("DILOCO_PEER_FAULT", "crash_in_allreduce:0"),
     ("DILOCO_PEER_FAULT", "crash:3"), ("DILOCO_PEER_FAULT", "poison:lots"), ("DILOCO_PEER_FAULT", "poison"),
+    ("DILOCO_PEER_FAULT", "lie_epoch:soon"), ("DILOCO_PEER_FAULT", "corrupt_state:bits"),
     ("HIVEMIND_LOGLEVEL", "loud"), ("HIVEMIND_LOGLEVEL", "debug"), ("HIVEMIND_LOGLEVEL", ""),
     ("HIVEMIND_MEMORY_SHARING_STRATEGY", "shared"), ("HIVEMIND_DHT_NUM_WORKERS", "0"),
     ("HIVEMIND_DHT_NUM_WORKERS", "four"), ("HIVEMIND_SHM_BUFFER_SIZE", ""), ("QUANTIZATION_THREADS", "-1"),
@@ -380,10 +384,26 @@ def test_bad_environment_values_are_one_line_errors_naming_variable_and_value(na
     assert one_line(message) and f"{name}={value!r}" in message and f"unset {name}" in message
 
 
-def test_the_fault_variable_the_averager_reads_is_checked():
+def fault_kinds_read(source: str) -> set[str]:
+    """The fault kinds a module looks for: ``fault.startswith("kind...")`` and ``... == "kind:arg"`` tests."""
+    kinds = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith" \
+                and "fault" in ast.unparse(node.func.value).lower():
+            kinds |= {arg.value.split(":")[0] for arg in node.args if isinstance(arg, ast.Constant)}
+        if isinstance(node, ast.Compare) and "FAULT_ENV" in ast.unparse(node):
+            kinds |= {c.value.split(":")[0] for c in node.comparators if isinstance(c, ast.Constant) and c.value}
+    return kinds
+
+
+def test_every_fault_kind_the_code_reads_is_checked_and_no_other():
     from diloco_peer.averaging_round import FAULT_ENV
+    from diloco_peer.config import FAULTS
 
     assert FAULT_ENV in ENVIRONMENT
+    package = Path(diloco_peer.__file__).parent
+    read = set().union(*(fault_kinds_read(path.read_text()) for path in package.glob("*.py")))
+    assert read == set(FAULTS), "add the new fault kind (or drop the old one) in config.FAULTS"
 
 
 @FUZZ
