@@ -432,7 +432,7 @@ def commands_stopped_at_the_network(monkeypatch, cli_sandbox):
     monkeypatch.chdir(cli_sandbox)
 
 
-@settings(max_examples=150, deadline=None, database=None,
+@settings(max_examples=300, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(argv=argvs())
 def test_fuzzed_command_lines_exit_with_a_documented_code_and_one_line(commands_stopped_at_the_network, argv):

@@ -23,7 +23,7 @@ from diloco_peer.config import (
 )
 
 # the fuzz tests of this file together take a few seconds; no example database is written to the checkout
-FUZZ = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def one_line(message: str) -> bool:
