@@ -9,6 +9,9 @@ a peer that leaves cleanly withdraws its record at once.
 The daemon uses the records to start a round only when the peers of its epoch are ready: the first
 round waits for ``min_peers`` (so the swarm does not split into solo learners while it starts), later
 rounds wait at most ``ready_timeout`` for stragglers.
+
+Every record on the DHT may expire at most ``MAX_TTL`` seconds from now (``ExpirationCap``, on every key),
+so nobody can pin a record (a stale lie, a fake peer) for days.
 """
 
 from __future__ import annotations
@@ -22,11 +25,17 @@ from dataclasses import dataclass, field
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint, constr
 
 logger = logging.getLogger(__name__)
+
+MAX_TTL = 600.0
+"""Seconds into the future a DHT record may expire at most. Ours live 3 heartbeats, hivemind's matchmaking
+and state-sharing records a few matchmaking periods or ``3 * heartbeat``: all far below. It also bounds
+the clock skew a peer may have (its records' expirations are in its own clock)."""
 
 
 class PeerStats(BaseModel):
@@ -63,14 +72,39 @@ class ProgressSchema(BaseModel):
     progress: dict[BytesWithPublicKey, ProgressRecord | None]
 
 
+class ExpirationCap(RecordValidatorBase):
+    """Rejects every DHT record that expires more than ``max_ttl`` seconds from now, on any key.
+
+    Checked when another node asks us to store a record and when a node answers our search, so a node
+    that keeps such a record in its own storage cannot hand it to us either. An honest record is checked
+    when it is fresh, and only gets closer to its expiration afterwards.
+    """
+
+    def __init__(self, max_ttl: float = MAX_TTL):
+        self.max_ttl = max_ttl
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.expiration_time > get_dht_time() + self.max_ttl:
+            logger.debug(f"rejected a DHT record expiring {record.expiration_time - get_dht_time():.0f}s from now")
+            return False
+        return True
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        if not isinstance(other, ExpirationCap):
+            return False
+        self.max_ttl = min(self.max_ttl, other.max_ttl)  # one check, the stricter cap
+        return True
+
+
 def add_progress_validators(dht: DHT, run_id: str) -> bytes:
-    """Install the signature and schema validators for ``run_id``; returns our public key (the subkey).
+    """Install the signature, schema and expiration validators for ``run_id``; returns our public key (the
+    subkey).
 
     Each caller gets a key of its own (not hivemind's process-wide one), so that two peers that share a
     process, as in tests, still own separate records.
     """
     signer = RSASignatureValidator(RSAPrivateKey())
-    dht.add_validators([SchemaValidator(ProgressSchema, prefix=run_id), signer])
+    dht.add_validators([SchemaValidator(ProgressSchema, prefix=run_id), signer, ExpirationCap()])
     return signer.local_public_key
 
 

@@ -5,11 +5,15 @@ import time
 
 import pytest
 from hivemind.dht import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import SchemaValidator
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
-from diloco_peer.progress import SwarmProgress, fetch_progress
+from diloco_peer.progress import MAX_TTL, ExpirationCap, ProgressRecord, ProgressSchema, SwarmProgress, fetch_progress
 
 RUN = "gate-test"
+KEY = f"{RUN}_progress"
 
 
 @pytest.fixture
@@ -20,6 +24,33 @@ def two_dhts():
     yield first, second
     second.shutdown()
     first.shutdown()
+
+
+@pytest.fixture
+def attacker(two_dhts):
+    """A third DHT node that joins the other two; what it validates is up to each test."""
+    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+              initial_peers=[str(a) for a in two_dhts[0].get_visible_maddrs()])
+    yield dht
+    dht.shutdown()
+
+
+class _ForgingSigner(RSASignatureValidator):
+    """A malicious node's validator: signs every record with its own key, whoever's subkey it is stored
+    under, and accepts everything into its own storage."""
+
+    def sign_value(self, record):
+        return record.value + self.SIGNATURE_FORMAT.replace(b"_value_", self._private_key.sign(
+            self._serialize_record(record)))
+
+    def validate(self, record):
+        return True
+
+
+def _good(peer_id, epoch):
+    """A well-formed record (every field present: the schema validator refuses records it would have to fill)."""
+    return ProgressRecord(peer_id=peer_id, epoch=epoch, inner_step=0, tokens=0, ready=True, state_hash="h",
+                          time=time.time()).dict()
 
 
 def test_records_are_seen_by_others_and_withdrawn(two_dhts):
@@ -54,6 +85,78 @@ def test_unsigned_and_malformed_records_are_rejected(two_dhts):
     unsigned, malformed, seen = asyncio.run(scenario())
     assert not unsigned and not malformed
     assert seen == []
+
+
+def test_a_record_forged_under_another_peers_subkey_is_rejected(two_dhts, attacker):
+    dht_a, dht_b = two_dhts
+    attacker.add_validators([_ForgingSigner(RSAPrivateKey())])
+
+    async def scenario():
+        SwarmProgress(dht_a, RUN, "peer-a", heartbeat=5)
+        b = SwarmProgress(dht_b, RUN, "peer-b", heartbeat=5)
+        await b.publish(epoch=3, state_hash="h")
+        # b's slot, a later expiration (which would win), epoch 1000, signed by the attacker's own key
+        await asyncio.to_thread(attacker.store, KEY, _good("peer-b", 1000), get_dht_time() + 60, subkey=b.subkey)
+        return await fetch_progress(dht_a, RUN)
+
+    seen = asyncio.run(scenario())
+    # not stored by the honest nodes; and the attacker's own copy is refused when a's search reaches it
+    assert [(r.peer_id, r.epoch) for r in seen] == [("peer-b", 3)]
+
+
+def test_a_record_expiring_too_far_ahead_is_rejected(two_dhts, attacker):
+    dht_a, dht_b = two_dhts
+    # the attacker signs its records properly and keeps anything in its own storage (no expiration cap)
+    signer = RSASignatureValidator(RSAPrivateKey())
+    attacker.add_validators([SchemaValidator(ProgressSchema, prefix=RUN), signer])
+
+    async def scenario():
+        a = SwarmProgress(dht_a, RUN, "peer-a", heartbeat=5)
+        SwarmProgress(dht_b, RUN, "peer-b", heartbeat=5)
+        # pinned for ~12 days: later than any record it could publish afterwards, so it would win every search
+        await asyncio.to_thread(attacker.store, KEY, _good("pinned", 1000), get_dht_time() + 1e6,
+                                subkey=signer.local_public_key)
+        await asyncio.to_thread(attacker.store, KEY, _good("pinned", 1), get_dht_time() + 60,
+                                subkey=signer.local_public_key)
+        # an honest node's own long-lived record is refused too (only the attacker's node may keep a copy)
+        await asyncio.to_thread(dht_a.store, KEY, _good("peer-a", 7), get_dht_time() + MAX_TTL + 60, subkey=a.subkey)
+        await asyncio.to_thread(dht_a.store, KEY, _good("peer-a", 2), get_dht_time() + MAX_TTL - 60, subkey=a.subkey)
+        return await fetch_progress(dht_b, RUN)
+
+    # (what ``store`` returns depends on which nodes answered first: the attacker's node accepts anything)
+    seen = asyncio.run(scenario())
+    assert sorted((r.peer_id, r.epoch) for r in seen) == [("peer-a", 2), ("pinned", 1)]
+
+
+def test_the_expiration_cap_passes_hiveminds_own_records():
+    """Matchmaking declares a group until the end of its matchmaking window, state sharing for a few heartbeats
+    (``averaging_round.py``: ``max(3 * heartbeat, 5)``): both far below the cap; a merged cap keeps the stricter."""
+    from hivemind.dht.validation import DHTRecord
+
+    cap = ExpirationCap()
+    for ttl in (5.0, 3 * 30.0, 3 * 5.0 * 3):  # matchmaking_time*3, 3 heartbeats of 30 s, the timeout of a step
+        assert cap.validate(DHTRecord(b"k", b"s", b"v", get_dht_time() + ttl))
+    assert not cap.validate(DHTRecord(b"k", b"s", b"v", get_dht_time() + MAX_TTL + 1))
+    assert cap.merge_with(ExpirationCap(60.0)) and cap.max_ttl == 60.0
+    assert not cap.merge_with(RSASignatureValidator(RSAPrivateKey()))
+
+
+@pytest.mark.parametrize("change", [
+    {"epoch": "ninety-nine"}, {"epoch": -1}, {"epoch": 1.5}, {"ready": "yes"}, {"joined": 1}, {"state_hash": 7},
+    {"time": None}, {"extra": 1},
+], ids=lambda change: next(iter(change)))
+def test_a_record_of_the_wrong_schema_is_rejected(two_dhts, change):
+    dht_a, dht_b = two_dhts
+
+    async def scenario():
+        SwarmProgress(dht_a, RUN, "peer-a", heartbeat=5)
+        b = SwarmProgress(dht_b, RUN, "peer-b", heartbeat=5)  # b's own key: the signature is valid
+        stored = await asyncio.to_thread(dht_b.store, KEY, {**_good("peer-b", 4), **change}, get_dht_time() + 30,
+                                         subkey=b.subkey)
+        return stored, await fetch_progress(dht_a, RUN)
+
+    stored, seen = asyncio.run(scenario())
+    assert not stored and seen == []
 
 
 def test_gate_waits_for_stragglers_then_for_nobody(two_dhts):
