@@ -111,6 +111,27 @@ class PseudoGradientAverager(DecentralizedAverager):
         why = self.admission.refuses(peer, proof)
         return ("unadmitted", why) if why else ("", "")
 
+    async def _step(self, **kwargs):
+        self._skip_refused_leaders()
+        return await super()._step(**kwargs)
+
+    def _skip_refused_leaders(self) -> None:
+        # hivemind's matchmaking asks every leader it finds in the DHT; a banned or unadmitted one would take
+        # us into its group and we would then refuse to average (the round lost). Ask the next leader instead.
+        matchmaking = self._matchmaking
+        if getattr(matchmaking, "_skips_refused_leaders", False):
+            return
+        request_join_group = matchmaking._request_join_group
+
+        async def _request_join_group(leader: PeerID):
+            peer = leader.to_base58()
+            if self.bans.is_banned(peer) or self.admission.refuses(peer, None):
+                return None  # as if it had turned us down
+            return await request_join_group(leader)
+
+        matchmaking._request_join_group = _request_join_group
+        matchmaking._skips_refused_leaders = True
+
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
                              context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         kind, why = self._refusal(context.remote_id, request.gather)

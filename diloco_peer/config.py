@@ -192,7 +192,24 @@ class AveragingConfig(_Section):
     max_update_ratio: float = Field(10.0, ge=0)
     """Refuse an averaged pseudo-gradient whose norm exceeds this many times our own (a weighted mean of
     honest pseudo-gradients is never longer than the longest of them); non-finite values are always
-    refused. The round then counts as failed and the peer re-syncs. 0 disables the norm check."""
+    refused. The round then counts as failed and the peer re-syncs. 0 disables the norm check.
+    The same bound applies to every part a reducer receives and every averaged part it returns: an
+    offending sender is dropped from the round, an offending reducer's parts are not used."""
+    max_weight_ratio: float = Field(10.0, ge=0)
+    """Refuse a sender claiming more than this many times our tokens for the round (its weight in the
+    mean is the tokens it claims); 0 disables the check. Raise it for swarms of very unequal batch sizes."""
+    aggregation: Literal["mean", "robust"] = "mean"
+    """``robust``, for open swarms: a reducer drops parts pointing against the group (cosine with the
+    coordinate-wise median below ``min_cosine``), clips the rest to the median norm and the weights to the
+    median weight, so that no single member can move the average far (cost on honest rounds: SECURITY.md)."""
+    min_cosine: float = Field(0.0, ge=-1.0, le=1.0)
+    """Robust aggregation: the lowest cosine similarity a part may have with the group's coordinate-wise
+    median (with only one other sender: with our own part)."""
+    ban_after: int = Field(2, ge=1)
+    """Refused contributions (any kind) within ``ban_seconds`` after which a peer is banned: it cannot join
+    our groups, be in a group we average in, or download our state."""
+    ban_seconds: float = Field(600.0, gt=0)
+    """How long a ban lasts, and the window in which offenses count towards one."""
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> AveragingConfig:
@@ -211,6 +228,11 @@ class SwarmConfig(_Section):
     """Addresses others should dial (e.g. your public IP behind port forwarding); empty = detected."""
     identity_path: str = ""
     """libp2p private key file: a stable peer id across restarts; created if missing; empty = new id."""
+    secret_file: str = ""
+    """A file holding the swarm secret (``diloco-peer keygen --secret FILE``): only peers with the same
+    secret can talk to this peer's DHT and average with it (see admission.py). Empty: an open swarm."""
+    allowlist: list[str] = []
+    """Peer ids allowed to average with us and download our state; empty: anyone (with the secret, if set)."""
     startup_timeout: float = Field(30.0, gt=0)
     join_timeout: float = Field(300.0, ge=0)
     """If no bootstrap is reachable at start, keep retrying (backoff 2 s doubling to 60 s) for this many

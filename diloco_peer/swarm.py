@@ -18,6 +18,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
+from .admission import load_admission
 from .config import SwarmConfig
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool =
         parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
     for addr in [*cfg.host_maddrs, *cfg.announce_maddrs]:
         parse_multiaddr(addr, need_peer_id=False, what="listen/announce address")
+    admission = load_admission(cfg.secret_file, cfg.allowlist)
     try:
         return DHT(
             start=True,
@@ -114,6 +116,7 @@ def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool =
             identity_path=cfg.identity_path or None,
             client_mode=client_mode,
             startup_timeout=cfg.startup_timeout,
+            authorizer=admission.authorizer(),  # a closed swarm: every DHT message signed with its secret
             # the DHT process is stopped by our shutdown, not by a parent-death heuristic
             await_ready=True,
         )
@@ -123,6 +126,8 @@ def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool =
             raise BootstrapUnreachable(
                 f"could not reach any bootstrap peer of {', '.join(initial_peers)}: check the address "
                 f"(copy it from the bootstrap's output), that the node is running and that its port is open"
+                + ("; this peer uses a swarm secret: check it is the swarm's (swarm.secret_file)" if cfg.secret_file
+                   else "; if the swarm is closed, set swarm.secret_file to its secret")
             ) from None
         if "already taken" in message:
             raise SwarmError(
