@@ -34,9 +34,9 @@ MONITOR_REFRESH_SECONDS = 5.0
 
 async def run_bootstrap(
     listen: list[str], announce: list[str], identity: str, initial_peers: list[str], run_id: str,
-    report_every: float, metrics: MetricsConfig | None = None, address_file: str = "",
+    report_every: float, metrics: MetricsConfig | None = None, address_file: str = "", secret_file: str = "",
 ) -> int:
-    cfg = SwarmConfig(host_maddrs=listen, announce_maddrs=announce, identity_path=identity)
+    cfg = SwarmConfig(host_maddrs=listen, announce_maddrs=announce, identity_path=identity, secret_file=secret_file)
     monitor = SwarmMonitor(run_id)
     # before the DHT starts: a busy metrics port fails at once, with nothing to tear down
     server = MetricsServer(monitor, metrics) if metrics is not None and metrics.port else None
@@ -87,9 +87,9 @@ async def run_bootstrap(
             server.close()
 
 
-async def run_status(bootstrap: list[str], run_id: str, as_json: bool, wait: float) -> int:
+async def run_status(bootstrap: list[str], run_id: str, as_json: bool, wait: float, secret_file: str = "") -> int:
     """``diloco-peer status``: join the DHT as a client, print the swarm's table, leave."""
-    cfg = SwarmConfig(host_maddrs=["/ip4/0.0.0.0/tcp/0"], startup_timeout=max(wait, 1.0))
+    cfg = SwarmConfig(host_maddrs=["/ip4/0.0.0.0/tcp/0"], startup_timeout=max(wait, 1.0), secret_file=secret_file)
     dht = await asyncio.to_thread(start_dht, cfg, bootstrap, client_mode=True)
     try:
         add_progress_validators(dht, run_id)

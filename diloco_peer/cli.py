@@ -38,6 +38,9 @@ EXIT_CODES = f"""exit codes:
   {EXIT_INTERRUPTED}  interrupted (a second Ctrl+C or SIGTERM)"""
 
 
+SECRET_FILE_HELP = "file with the swarm secret (diloco-peer keygen --secret FILE): a closed swarm, see SECURITY.md"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with errors as one line, like every other error (argparse prints the usage block first)."""
 
@@ -106,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--initial-peer", action="append", default=[], metavar="MULTIADDR",
                       help="another bootstrap node to connect to (repeatable)")
     boot.add_argument("--run-id", type=_name, default="diloco-tiny", help="the run whose progress this node shows")
+    boot.add_argument("--secret-file", default="", metavar="FILE", help=SECRET_FILE_HELP)
     boot.add_argument("--report-every", type=_SECONDS, default=30.0, metavar="SECONDS",
                       help="seconds between swarm summaries in the log (default 30)")
 
@@ -116,14 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                       help="interface for --metrics-port (default 127.0.0.1; 0.0.0.0 for a remote Prometheus)")
 
-    keygen = sub.add_parser("keygen", help="create an identity key file (a stable peer id) and print its peer id")
-    keygen.add_argument("path", metavar="KEY_FILE", help="where to write the private key, e.g. ~/.diloco.key")
-    keygen.add_argument("--force", action="store_true", help="replace an existing key file")
+    keygen = sub.add_parser("keygen", help="create an identity key file (a stable peer id) and print its peer id, "
+                                           "or with --secret a swarm secret")
+    keygen.add_argument("path", nargs="?", metavar="KEY_FILE",
+                        help="where to write the private key, e.g. ~/.diloco.key")
+    keygen.add_argument("--secret", default="", metavar="SECRET_FILE",
+                        help="instead, write a new random swarm secret (mode 0600) to share with the swarm's members")
+    keygen.add_argument("--force", action="store_true", help="replace an existing file")
 
     status = sub.add_parser("status", help="print the swarm's peers, states, losses and throughput")
     status.add_argument("bootstrap", nargs="+", metavar="BOOTSTRAP_MULTIADDR", help="a bootstrap node's address")
     status.add_argument("--run-id", type=_name, default="diloco-tiny", help="the run to show (default diloco-tiny)")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument("--secret-file", default="", metavar="FILE", help=SECRET_FILE_HELP)
     status.add_argument("--wait", type=_SECONDS_OR_ZERO, default=10.0, metavar="SECONDS",
                         help="how long to look for records before reporting an empty swarm (default 10)")
 
@@ -133,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(join)
     join.add_argument("--identity", default=None, metavar="KEY_FILE",
                       help="private key file for a stable peer id (created if missing); sets swarm.identity_path")
+    join.add_argument("--secret-file", default=None, metavar="FILE",
+                      help="file with the swarm secret of a closed swarm; sets swarm.secret_file")
     join.add_argument("--name", type=_name, default=None,
                       help="name in logs and of the event file (default: from the peer id)")
 
@@ -226,6 +237,7 @@ def _run(args: argparse.Namespace) -> int:
     import uvloop
     from pydantic import ValidationError
 
+    from .admission import load_admission
     from .config import ConfigError, MetricsConfig, load_config
     from .swarm import check_identity, parse_multiaddr
 
@@ -247,11 +259,12 @@ def _run(args: argparse.Namespace) -> int:
             raise ConfigError(f"bad --metrics-host {_quote(args.metrics_host)}: {reason}") from None
         if args.identity:
             check_identity(args.identity)
+        load_admission(args.secret_file, [])
         if args.address_file:
             _check_can_create(args.address_file, "--address-file", directory=False)
         return uvloop.run(run_bootstrap(args.listen or ["/ip4/0.0.0.0/tcp/0"], args.announce, args.identity,
                                         args.initial_peer, args.run_id, args.report_every, metrics,
-                                        args.address_file))
+                                        args.address_file, args.secret_file))
     if args.command == "plot":
         from .report import find_logs, plot_losses
 
@@ -269,8 +282,18 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {png} ({len(logs)} peers: {', '.join(logs)})")
         return 0
     if args.command == "keygen":
+        from .admission import write_secret
         from .swarm import generate_identity
 
+        if bool(args.path) == bool(args.secret):
+            raise ConfigError("keygen needs exactly one of KEY_FILE (an identity) or --secret SECRET_FILE (a swarm "
+                              "secret), e.g. diloco-peer keygen ~/.diloco.key")
+        if args.secret:
+            write_secret(args.secret, args.force)
+            print(f"wrote {args.secret} (mode 0600): a new swarm secret; share it with the swarm's members only")
+            print(f"use it with: diloco-peer bootstrap ... --secret-file {args.secret}, and "
+                  f"diloco-peer join <bootstrap> --secret-file {args.secret}")
+            return 0
         peer_id = generate_identity(args.path, args.force)
         print(f"wrote {args.path} (mode 0600); peer id {peer_id}")
         print(f"use it with: diloco-peer join <bootstrap> --identity {args.path}")
@@ -280,7 +303,8 @@ def _run(args: argparse.Namespace) -> int:
 
         for addr in args.bootstrap:
             parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
-        return uvloop.run(run_status(args.bootstrap, args.run_id, args.json, args.wait))
+        load_admission(args.secret_file, [])
+        return uvloop.run(run_status(args.bootstrap, args.run_id, args.json, args.wait, args.secret_file))
     overrides = list(args.overrides)
     if args.command == "join":
         from .daemon import PeerDaemon
@@ -289,7 +313,10 @@ def _run(args: argparse.Namespace) -> int:
             parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
         if args.identity is not None:
             overrides.append(f"swarm.identity_path={json.dumps(args.identity)}")
+        if args.secret_file is not None:
+            overrides.append(f"swarm.secret_file={json.dumps(args.secret_file)}")
         cfg = load_config(args.config, overrides)
+        load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
         _check_peer(cfg)
         return uvloop.run(PeerDaemon(cfg, args.bootstrap, args.name or "").run())
     if args.command == "simulate":

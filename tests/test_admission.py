@@ -3,9 +3,11 @@
 import asyncio
 import os
 import stat
+import subprocess
 
 import pytest
 import torch
+from conftest import diloco_cmd
 from hivemind.dht import DHT
 from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
@@ -163,3 +165,29 @@ def test_an_unadmitted_peer_never_averages_with_the_swarm(dhts, closed_by):
     assert member_groups and set(member_groups) == {2}, member_groups
     assert offenses and {o["offender"] for o in offenses} == {ids[2]}, offenses
     assert {o["kind"] for o in offenses} == {"unadmitted"}, offenses
+
+
+@pytest.mark.slow
+def test_a_closed_swarm_of_real_peers_trains_and_an_outsider_is_turned_away(local_swarm, tmp_path):
+    secret = tmp_path / "swarm.secret"
+    write_secret(str(secret))
+    local_swarm.start_bootstrap("--secret-file", str(secret))
+    members = [local_swarm.start_peer(f"p{i}", "run.max_rounds=2", f'swarm.secret_file="{secret}"') for i in range(2)]
+    outsider = local_swarm.start_peer("outsider", "run.max_rounds=2", "swarm.join_timeout=0")
+    assert outsider.wait(timeout=120) == 3  # no bootstrap peer reachable: it does not hold the secret
+    last_line = (tmp_path / "outsider.log").read_text().strip().splitlines()[-1]
+    assert last_line.startswith("diloco-peer: error: could not reach") and "swarm.secret_file" in last_line
+    for proc in members:
+        assert proc.wait(timeout=300) == 0
+    for name in ("p0", "p1"):
+        rounds = [e for e in local_swarm.events(name) if e["event"] == "round"]
+        assert [(r["outcome"], r["group_size"]) for r in rounds] == [("averaged", 2)] * 2, rounds
+
+
+def test_keygen_writes_a_swarm_secret_and_refuses_to_overwrite_it(tmp_path):
+    path = tmp_path / "swarm.secret"
+    done = subprocess.run(diloco_cmd("keygen", "--secret", str(path)), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--secret-file" in done.stdout, done
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and len(path.read_text().strip()) == 64
+    again = subprocess.run(diloco_cmd("keygen", "--secret", str(path)), capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "--force" in again.stderr, again
