@@ -219,10 +219,16 @@ class PeerDaemon:
                           seconds=seconds, bytes=size)
 
     async def _catch_up(self, progress: SwarmProgress, records: list) -> bool:
-        """If the swarm is ahead of us or our weights differ from its, download its state. True if we did."""
+        """If the swarm is ahead of us or our weights differ from its, download its state. True if we did.
+
+        Until we hold the swarm's state (synced, or nothing to sync) our epoch does not vote on the swarm's
+        (``progress.quorum_epoch``): a newcomer or a peer restarted from an old checkpoint knows nothing of it.
+        """
         target = swarm_target(records)
         why = self.sync.needs_sync(target)
         if not why:
+            if not progress.record.joined:
+                await progress.publish(joined=True)
             return False
         logger.info(f"state sync: {why}; downloading epoch {target.epoch} from one of {len(target.holders)} peers")
         result = await self.sync.sync(target)
@@ -238,7 +244,7 @@ class PeerDaemon:
         self.last_sync_epoch = self.outer.epoch
         self.averager.reset_feedback()  # the residual belonged to the weights we just replaced
         await progress.publish(epoch=self.outer.epoch, round=self.outer.epoch + self.delayed,
-                               inner_step=self.trainer.step, ready=False, state_hash=self.sync.state_hash)
+                               inner_step=self.trainer.step, ready=False, state_hash=self.sync.state_hash, joined=True)
         logger.info(f"state sync: now at epoch {self.outer.epoch} ({result.bytes / 1e6:.2f} MB from "
                     f"{result.donor[-8:]} in {result.seconds:.2f}s)")
         return True

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info, generate_latest
 
 from . import __version__
-from .progress import ProgressRecord
+from .progress import ProgressRecord, quorum_epoch
 from .state_sync import swarm_target
 
 STATES = ("joining", "training", "waiting", "averaging", "leaving")
@@ -39,7 +39,8 @@ class SwarmSummary:
     peers: int = 0
     by_state: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATES, 0))
     epoch: int = 0
-    """The swarm's outer epoch: the newest one that peers hold (as state sync picks it), i.e. rounds completed."""
+    """The swarm's outer epoch by quorum (as state sync picks it: one peer claiming a later one does not move
+    it), i.e. rounds completed."""
     tokens: int = 0
     tokens_per_second: float = 0.0
     train_loss: float | None = None
@@ -51,7 +52,7 @@ def summarize(records: list[ProgressRecord], now: float | None = None) -> SwarmS
     now = time.time() if now is None else now
     summary = SwarmSummary(peers=len(records))
     target = swarm_target(records)
-    summary.epoch = target.epoch if target is not None else max((r.epoch for r in records), default=0)
+    summary.epoch = target.epoch if target is not None else quorum_epoch(records) or 0
     for r in sorted(records, key=lambda r: (r.stats.name if r.stats else "", r.peer_id)):
         state = peer_state(r)
         summary.by_state[state] += 1

@@ -10,14 +10,30 @@ The daemon uses the records to start a round only when the peers of its epoch ar
 round waits for ``min_peers`` (so the swarm does not split into solo learners while it starts), later
 rounds wait at most ``ready_timeout`` for stragglers.
 
-Every record on the DHT may expire at most ``MAX_TTL`` seconds from now (``ExpirationCap``, on every key),
-so nobody can pin a record (a stale lie, a fake peer) for days.
+Open to volunteers means open to liars: anyone can publish a record that claims any epoch. Three defences:
+
+- **A quorum, not the maximum.** The swarm's epoch (``quorum_epoch``) is the highest epoch that a strict
+  majority of the *voting* peers have reached, so one peer claiming epoch 1000 moves nobody. Voters are
+  the peers that have *joined*: synced to the swarm's state, or found nothing to sync, since they
+  started. A newcomer (or a peer restarted from an old checkpoint) knows nothing about the swarm's
+  progress, so its epoch is no evidence: if it voted, three newcomers at epoch 0 would outvote two peers
+  at epoch 5 and split the swarm. The price: when the only joined peer is a liar (it founded the swarm,
+  or everyone else is new), newcomers follow it; no count can tell a lone founder from a lone liar.
+- **Capped expirations** (``ExpirationCap``): a record may expire at most ``MAX_TTL`` seconds from now,
+  on every key of the DHT, so nobody can pin a record (a stale lie, a fake peer) for days.
+- **Waits that liars can stretch are bounded**: the round gate by ``ready_timeout`` (a peer that claims
+  our epoch and never gets ready) and ``min_peers_timeout``, ``wait_for_round_end`` by its timeout.
+
+Fault injection (tests only): with ``DILOCO_PEER_FAULT=lie_epoch:N`` (``averaging_round.FAULT_ENV``) the
+peer publishes epoch N in every record it stores, with the hash of its real weights; its state download
+claims epoch N too (``state_sync.py``). Everything else it does, it does honestly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,8 +46,13 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint, constr
 
+from .averaging_round import FAULT_ENV
+
 logger = logging.getLogger(__name__)
 
+QUORUM = 0.5
+"""The swarm's epoch is reached by more than this fraction of the voting peers (0.5: a strict majority;
+0 would be the maximum any peer claims)."""
 MAX_TTL = 600.0
 """Seconds into the future a DHT record may expire at most. Ours live 3 heartbeats, hivemind's matchmaking
 and state-sharing records a few matchmaking periods or ``3 * heartbeat``: all far below. It also bounds
@@ -63,6 +84,9 @@ class ProgressRecord(BaseModel):  # pydantic v1: hivemind's SchemaValidator spea
     ``epoch`` in blocking mode; in overlapped mode one more once the peer sent ``epoch``'s."""
     state_hash: StrictStr = ""
     """sha256 of the peer's outer weights at ``epoch``: peers that agree hold the same bytes."""
+    joined: StrictBool = True
+    """False from start until the peer has synced to the swarm's state (or found nothing to sync): until then
+    its epoch says nothing about the swarm's progress and it does not vote (see ``quorum_epoch``)."""
     time: StrictFloat
     stats: PeerStats | None = None
     """Loss, throughput and round counts for the swarm monitor, refreshed with every publication."""
@@ -108,6 +132,27 @@ def add_progress_validators(dht: DHT, run_id: str) -> bytes:
     return signer.local_public_key
 
 
+def voters(records: list[ProgressRecord]) -> list[ProgressRecord]:
+    """The records whose epoch counts as evidence of the swarm's progress: those of joined peers (all of
+    them while nobody has joined yet, as when a swarm starts)."""
+    return [r for r in records if r.joined] or list(records)
+
+
+def quorum_epoch(records: list[ProgressRecord], quorum: float = QUORUM) -> int | None:
+    """The swarm's epoch: the highest epoch that more than ``quorum`` of the voting peers have reached.
+
+    With the default strict majority, a swarm of 2 needs both (the lower epoch: a peer ahead of the other
+    alone is not followed), 3 need 2, 5 need 3. A liar alone never moves it; a majority that advanced
+    does. While a round ends the epochs differ by one and the swarm's epoch is the older one until most
+    peers have stepped: a peer ahead is never pulled back (state sync refuses older states), a straggler
+    catches up once the majority has moved on. None without records.
+    """
+    epochs = sorted((r.epoch for r in voters(records)), reverse=True)
+    if not epochs:
+        return None
+    return epochs[min(int(len(epochs) * quorum) + 1, len(epochs)) - 1]
+
+
 async def fetch_progress(dht: DHT, run_id: str) -> list[ProgressRecord]:
     """The live progress records of the run, one per peer (withdrawn and expired ones left out)."""
     found = await asyncio.to_thread(dht.get, f"{run_id}_progress", latest=True)
@@ -151,7 +196,10 @@ class SwarmProgress:
         self.dht, self.run_id, self.heartbeat = dht, run_id, heartbeat
         self.key = f"{run_id}_progress"
         self.subkey = add_progress_validators(dht, run_id)
-        self.record = ProgressRecord(peer_id=peer_id, epoch=0, inner_step=0, tokens=0, ready=False, time=time.time())
+        self.record = ProgressRecord(peer_id=peer_id, epoch=0, inner_step=0, tokens=0, ready=False, joined=False,
+                                     time=time.time())
+        fault = os.environ.get(FAULT_ENV, "")
+        self._lie_epoch = int(fault.split(":")[1]) if fault.startswith("lie_epoch:") else None
         self._heartbeat_task: asyncio.Task | None = None
         self.stats_provider: Callable[[], dict] | None = None
         """Returns the current ``PeerStats`` fields; called at every publication (the heartbeat included)."""
@@ -164,6 +212,8 @@ class SwarmProgress:
         await self._store(self.record.dict())
 
     async def _store(self, value) -> None:
+        if value is not None and self._lie_epoch is not None:
+            value = {**value, "epoch": self._lie_epoch, "round": self._lie_epoch}
         ok = await asyncio.to_thread(
             self.dht.store, self.key, value, get_dht_time() + 3 * self.heartbeat, subkey=self.subkey
         )
@@ -176,15 +226,17 @@ class SwarmProgress:
         return [r for r in records if r.peer_id != self.record.peer_id] + [self.record]
 
     async def wait_for_round_end(self, epoch: int, timeout: float, should_stop=lambda: False) -> list[ProgressRecord]:
-        """Records, once another peer that trained the round of ``epoch`` has stepped past it (at once if
+        """Records, once the others (by quorum, ``quorum_epoch``) have stepped past ``epoch`` (at once if
         nobody else is at ``epoch``; at most ``timeout`` seconds). A peer whose round failed compares its
-        weights with those the others *end* the round with, not with their records from before it."""
+        weights with those the others *end* the round with, not with their records from before it. One
+        peer claiming a later epoch does not end the wait; one that claims ``epoch`` forever stretches it
+        to ``timeout``, no longer."""
         deadline = time.monotonic() + timeout
         while True:
             records = await self.swarm_records()
             others = [r for r in records if r.peer_id != self.record.peer_id]
-            if (any(r.epoch > epoch for r in others) or not any(r.epoch == epoch for r in others)
-                    or time.monotonic() >= deadline or should_stop()):
+            if (quorum_epoch(others, QUORUM) or 0) > epoch or not any(r.epoch == epoch for r in others) \
+                    or time.monotonic() >= deadline or should_stop():
                 return records
             await asyncio.sleep(self.POLL_SECONDS)
 
@@ -217,6 +269,12 @@ class SwarmProgress:
         ``delayed`` (overlapped rounds, see ``overlapped_round.py``): the peers to wait for are those whose
         record says they train the round of our epoch (``round``); a peer that sent it is at our epoch and
         ready (and already trains the next round).
+
+        Liars can only delay or hurry a round, within bounds: one that claims our epoch and never gets ready
+        holds the gate ``ready_timeout`` at most; fake peers can fill ``min_peers`` early (the first round then
+        starts with fewer real peers, or waits ``min_peers_timeout`` at most); one that claims to be ready and
+        never shows up in matchmaking costs a matchmaking timeout and a solo step. A peer at another epoch
+        (``lie_epoch``) is not waited for at all.
         """
         started = time.monotonic()
         quorum_since = None

@@ -4,9 +4,16 @@ Who needs it: a newcomer, a peer restarted from an old checkpoint, a straggler w
 without it, and a peer whose weights left the swarm's (a solo step while the others averaged, or a
 reducer that died mid-all-reduce and left its shard un-averaged). All are detected the same way, from
 the signed progress records: each peer publishes its outer ``epoch`` and ``state_hash`` (sha256 of its
-outer weights). The *target* is the highest epoch any live peer holds and, at that epoch, the hash most
-peers hold (ties: the smallest hash, so every peer picks the same one). A peer whose (epoch, hash)
-differs from the target syncs; peers holding the target serve it.
+outer weights). The *target* (``swarm_target``) is the swarm's epoch by quorum (``progress.quorum_epoch``:
+the highest epoch a strict majority of the joined peers have reached, never what one peer claims) and,
+at that epoch, the hash most of its voting peers hold (ties: the smallest hash, so every peer picks the
+same one). A peer whose (epoch, hash) differs from the target syncs; peers holding the target serve it.
+
+Known limit of the hash rule: peers that averaged together hold the same hash, so a liar cannot outvote
+them. Right after a failed all-reduce, though, every peer may hold a state of its own; the tie then goes
+to the smallest hash so that honest peers reconverge, and a liar that publishes a state at that epoch
+with a hash it ground to be small wins it. Keeping our own state on a tie instead would leave honest
+replicas apart for good after every failed round.
 
 What is transferred: outer weights and Nesterov momentum (fp32), the outer epoch and the inner
 LR-schedule position. The inner AdamW moments stay local (they describe this peer's own shard).
@@ -34,7 +41,7 @@ from .averaging_round import PseudoGradientAverager
 from .config import AveragingConfig
 from .model import param_sha256
 from .outer_optimizer import OuterOptimizer
-from .progress import ProgressRecord
+from .progress import QUORUM, ProgressRecord, quorum_epoch, voters
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +54,14 @@ class Target:
     """Peer ids that publish exactly this state."""
 
 
-def swarm_target(records: list[ProgressRecord]) -> Target | None:
-    """The state the swarm agrees on: the newest epoch, and the hash most of its peers hold."""
+def swarm_target(records: list[ProgressRecord], quorum: float = QUORUM) -> Target | None:
+    """The state the swarm agrees on: its epoch by quorum (``progress.quorum_epoch``), and the hash most of
+    the voting peers at that epoch hold; None if no record carries a state."""
     records = [r for r in records if r.state_hash]
-    if not records:
+    epoch = quorum_epoch(records, quorum)
+    if epoch is None:
         return None
-    epoch = max(r.epoch for r in records)
-    at_epoch = [r for r in records if r.epoch == epoch]
+    at_epoch = [r for r in voters(records) if r.epoch == epoch]
     counts = collections.Counter(r.state_hash for r in at_epoch)
     state_hash = min(counts, key=lambda h: (-counts[h], h))
     return Target(epoch, state_hash, [r.peer_id for r in at_epoch if r.state_hash == state_hash])

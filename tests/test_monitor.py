@@ -21,7 +21,7 @@ def _record(peer, epoch, ready=False, state="training", loss=2.0, tps=1000.0, na
                       eval_loss=None if loss is None else loss + 0.5,
                       rounds_averaged=epoch, rounds_solo=0, rounds_failed=0)
     return ProgressRecord(peer_id=peer, epoch=epoch, inner_step=epoch * 10, tokens=epoch * 100, ready=ready,
-                          state_hash=state_hash, time=time.time(), stats=stats)
+                          state_hash=state_hash, time=time.time(), stats=stats, joined=state != "joining")
 
 
 def test_summary_states_losses_and_the_swarm_epoch():

@@ -1,16 +1,28 @@
 """Signed progress records on a real loopback DHT, and the round gate that reads them."""
 
 import asyncio
+import math
 import time
 
 import pytest
+from conftest import FAST
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import SchemaValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from diloco_peer.progress import MAX_TTL, ExpirationCap, ProgressRecord, ProgressSchema, SwarmProgress, fetch_progress
+from diloco_peer.averaging_round import FAULT_ENV
+from diloco_peer.config import load_config
+from diloco_peer.progress import (
+    MAX_TTL,
+    ExpirationCap,
+    ProgressRecord,
+    ProgressSchema,
+    SwarmProgress,
+    add_progress_validators,
+    fetch_progress,
+)
 
 RUN = "gate-test"
 KEY = f"{RUN}_progress"
@@ -159,6 +171,28 @@ def test_a_record_of_the_wrong_schema_is_rejected(two_dhts, change):
     assert not stored and seen == []
 
 
+def test_a_liar_does_not_end_the_wait_for_a_round(two_dhts, attacker, monkeypatch):
+    dht_a, dht_b = two_dhts
+
+    async def scenario():
+        a = SwarmProgress(dht_a, RUN, "peer-a", heartbeat=5)
+        b = SwarmProgress(dht_b, RUN, "peer-b", heartbeat=5)
+        monkeypatch.setenv(FAULT_ENV, "lie_epoch:1000")
+        liar = SwarmProgress(attacker, RUN, "liar", heartbeat=5)
+        monkeypatch.delenv(FAULT_ENV)
+        await a.publish(epoch=4, state_hash="solo", joined=True)  # a's round 3 failed: it stepped alone
+        await b.publish(epoch=3, ready=True, state_hash="h3", joined=True)  # b still averages round 3
+        await liar.publish(epoch=3, state_hash="h3", joined=True)  # stored as epoch 1000
+        seen = {r.peer_id: r.epoch for r in await fetch_progress(dht_b, RUN)}
+        started = time.monotonic()
+        await a.wait_for_round_end(3, timeout=1.5)
+        return seen, time.monotonic() - started
+
+    seen, waited = asyncio.run(scenario())
+    assert seen == {"peer-a": 4, "peer-b": 3, "liar": 1000}
+    assert waited >= 1.5  # b has not ended the round; the liar's "epoch 1000" does not count as the others'
+
+
 def test_gate_waits_for_stragglers_then_for_nobody(two_dhts):
     dht_a, dht_b = two_dhts
 
@@ -245,3 +279,50 @@ def test_a_failed_peer_waits_for_the_others_to_end_the_round(two_dhts):
     assert 1.0 < waited < 5, waited
     assert {r.peer_id: (r.epoch, r.state_hash) for r in records}["peer-b"] == (4, "after-round-3")
     assert no_wait < 1.0 and 1.0 <= bounded < 3, (no_wait, bounded)
+
+
+def _wait_until(condition, what, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g}s"
+        time.sleep(0.2)
+    return found
+
+
+@pytest.mark.slow
+def test_honest_peers_never_follow_a_peer_lying_about_its_epoch(local_swarm):
+    """2 honest peers + 1 that claims epoch 1000 (and serves its real weights as epoch 1000, hash matching)."""
+    local_swarm.start_bootstrap()
+    sets = ["averaging.min_peers=2", "run.max_rounds=7"]
+    honest = {name: local_swarm.start_peer(name, *sets) for name in ("p0", "p1")}
+    # the liar joins the running swarm (one that founded the swarm would be followed: see progress.py)
+    for name in honest:
+        _wait_until(lambda: any(e["event"] == "progress" for e in local_swarm.events(name)), f"{name} training")
+    liar = local_swarm.start_peer("liar", *sets, env={FAULT_ENV: "lie_epoch:1000"})
+    run_id = load_config(None, FAST).run.run_id
+    watcher = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[local_swarm.address])
+    try:
+        add_progress_validators(watcher, run_id)
+        # the lie is out, and every peer has joined the vote (the liar's claim counts: it is not a newcomer)
+        _wait_until(lambda: (records := asyncio.run(fetch_progress(watcher, run_id))) and len(records) == 3
+                    and all(r.joined for r in records) and any(r.epoch == 1000 for r in records),
+                    "record claiming epoch 1000")
+        lie_seen = time.time()
+    finally:
+        watcher.shutdown()
+    for name, proc in honest.items():
+        assert proc.wait(timeout=120) == 0, (local_swarm.workdir / f"{name}.log").read_text()[-3000:]
+    liar.terminate()
+    liar.wait(timeout=30)
+
+    rounds = {name: [e for e in local_swarm.events(name) if e["event"] == "round"] for name in honest}
+    for name, events in rounds.items():
+        assert [r["round"] for r in events] == [1, 2, 3, 4, 5, 6, 7], events  # never jumped to epoch 1000
+        assert all(r["outcome"] == "averaged" for r in events), events  # hivemind's records pass the new validators
+        assert not [e for e in local_swarm.events(name) if e["event"] == "sync"]  # nobody to catch up with
+        start = next(e for e in local_swarm.events(name) if e["event"] == "start")
+        assert all(math.isfinite(r["eval_loss"]) for r in events) and events[-1]["eval_loss"] < start["eval_loss"]
+    # the lie stood while the honest peers went through at least two round gates; nobody downloaded the liar's state
+    assert sum(r["time"] > lie_seen for r in rounds["p0"]) >= 2, (lie_seen, rounds["p0"])
+    assert not [e for e in local_swarm.events("liar") if e["event"] == "serve"]
+    assert [r["param_sha256"] for r in rounds["p0"]] == [r["param_sha256"] for r in rounds["p1"]]

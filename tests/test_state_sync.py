@@ -17,19 +17,65 @@ from diloco_peer.state_sync import StateSync, Target, swarm_target
 SETS = ["averaging.sync_timeout=3.0", "averaging.matchmaking_time=2.0", "averaging.request_timeout=1.0"]
 
 
-def _record(peer, epoch, state_hash):
+def _record(peer, epoch, state_hash, joined=True):
     return ProgressRecord(peer_id=peer, epoch=epoch, inner_step=0, tokens=0, ready=False, state_hash=state_hash,
-                          time=time.time())
+                          joined=joined, time=time.time())
 
 
-def test_target_is_the_newest_epoch_and_the_majority_hash():
+def _swarm(*epochs, liar_epoch=None):
+    """Honest peers at ``epochs`` (peers at one epoch averaged together: one hash per epoch), plus a liar."""
+    records = [_record(f"p{i}", e, f"h{e}") for i, e in enumerate(epochs)]
+    return records + ([_record("liar", liar_epoch, "0" * 64)] if liar_epoch is not None else [])
+
+
+def test_target_is_the_quorum_epoch_and_the_majority_hash():
     assert swarm_target([]) is None
     records = [_record("a", 3, "h1"), _record("b", 3, "h2"), _record("c", 3, "h2"), _record("d", 2, "h0"),
                _record("e", 1, "")]
     assert swarm_target(records) == Target(3, "h2", ["b", "c"])
     # a tie is broken the same way on every peer: the smallest hash
     assert swarm_target([_record("a", 5, "ff"), _record("b", 5, "0a")]) == Target(5, "0a", ["b"])
-    assert swarm_target([_record("a", 4, "x"), _record("b", 9, "y")]).epoch == 9
+    # quorum 0 is the maximum any peer claims (the rule before quorums)
+    assert swarm_target([_record("a", 4, "x"), _record("b", 9, "y")], quorum=0).epoch == 9
+
+
+@pytest.mark.parametrize("honest, expected", [
+    ((5,), 5),  # a swarm of 2
+    ((5, 5), 5), ((5, 4), 5), ((4, 4), 4),  # of 3, also while a round ends (one peer has stepped)
+    ((0, 0), 0),  # the first round of a new swarm
+    ((7, 7, 7, 7), 7), ((8, 8, 7, 7), 8), ((8, 7, 7, 7), 7),  # of 5
+])
+def test_a_lone_liar_is_never_followed(honest, expected):
+    target = swarm_target(_swarm(*honest, liar_epoch=1000))
+    assert target.epoch == expected and target.state_hash == f"h{expected}" and "liar" not in target.holders
+    # nor when it claims the honest epoch with a hash of its own, against peers that averaged together
+    if honest.count(expected) > 1:
+        assert swarm_target(_swarm(*honest, liar_epoch=expected)).state_hash == f"h{expected}"
+
+
+@pytest.mark.parametrize("epochs, expected", [
+    ((6, 6), 6), ((6, 5), 5),  # 2 peers: both must have stepped
+    ((6, 6, 5), 6), ((6, 5, 5), 5),  # 3: two of them
+    ((6, 6, 6, 5, 5), 6), ((6, 6, 5, 5, 5), 5),  # 5: three of them
+    ((9, 9, 9, 3), 9),  # a straggler (or a peer restarted from an old checkpoint) catches up with the majority
+])
+def test_a_majority_that_advanced_is_followed(epochs, expected):
+    target = swarm_target(_swarm(*epochs))
+    assert target.epoch == expected and target.holders == [f"p{i}" for i, e in enumerate(epochs) if e == expected]
+
+
+def test_peers_that_have_not_joined_do_not_vote():
+    """Newcomers (and restarted peers) know nothing of the swarm's progress: they must not outvote it."""
+    established = [_record("a", 5, "h5"), _record("b", 5, "h5")]
+    newcomers = [_record(f"new{i}", 0, "h0", joined=False) for i in range(3)]
+    assert swarm_target(established + newcomers) == Target(5, "h5", ["a", "b"])
+    # had they voted, three newcomers at epoch 0 would have split the swarm
+    assert swarm_target(established + [r.copy(update={"joined": True}) for r in newcomers]).epoch == 0
+    # a lone founder is followed by newcomers; so is the swarm by a peer restarted from an old checkpoint
+    assert swarm_target([_record("founder", 9, "h9")] + newcomers).holders == ["founder"]
+    assert swarm_target([_record("a", 10, "h10"), _record("restarted", 8, "h8", joined=False)]).epoch == 10
+    # while nobody has joined (a swarm starting), everybody votes
+    assert swarm_target(newcomers + [_record("liar", 1000, "0" * 64, joined=False)]).epoch == 0
 
 
 class _Peer:
