@@ -234,7 +234,7 @@ class PeerDaemon:
         result = await self.sync.sync(target)
         self.events.write("sync", peer=self.name, reason=why, donor=result.donor, epoch=result.epoch,
                           seconds=result.seconds, bytes=result.bytes, attempts=result.attempts, ok=result.ok,
-                          error=result.error)
+                          error=result.error, donor_errors=result.donor_errors)
         if not result.ok:
             logger.warning(f"state sync failed ({result.error}); will try again at the next round")
             return False

@@ -22,7 +22,14 @@ Download: donors are the peers that hold the target, in random order (newcomers 
 instead of all hitting one); each chunk must arrive within ``averaging.sync_timeout`` or the next donor
 is tried, up to ``averaging.sync_attempts`` donors. A state is checked before it replaces ours: same
 config fingerprint, same tensor count and shapes, all values finite, not older than ours, and the
-sha256 of the received weights equals the hash the donor published. A donor failing any check is skipped.
+sha256 of the received weights equals the hash the donor published. Its epoch must be the swarm's (the
+quorum's, not a claim of the donor's): a donor that serves another epoch than the one it published is
+refused too. A donor failing any check is skipped and the next one tried; each failure is reported
+(``SyncResult.donor_errors``).
+
+Fault injection (tests only, ``DILOCO_PEER_FAULT``, see ``averaging_round.FAULT_ENV``): ``corrupt_state``
+serves weights off by 1e-3 (finite, plausible, not what the peer published), ``corrupt_state:nan`` serves
+NaN weights; ``lie_epoch:N`` serves the state under epoch N (its records claim N too, ``progress.py``).
 """
 
 from __future__ import annotations
@@ -30,14 +37,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .averaging_round import PseudoGradientAverager
+from .averaging_round import FAULT_ENV, PseudoGradientAverager
 from .config import AveragingConfig
 from .model import param_sha256
 from .outer_optimizer import OuterOptimizer
@@ -76,6 +84,8 @@ class SyncResult:
     bytes: int = 0
     attempts: int = 0
     error: str = ""
+    donor_errors: list[str] = field(default_factory=list)
+    """Why each donor that was tried failed, in order (a later donor may still have succeeded)."""
 
 
 class StateSync:
@@ -97,6 +107,9 @@ class StateSync:
         """Held while the outer state changes, so that a peer never downloads a half-updated state."""
         self.state_hash = param_sha256(outer.params)
         averager.state_provider = self._current_state
+        fault = os.environ.get(FAULT_ENV, "")
+        self._lie_epoch = int(fault.split(":")[1]) if fault.startswith("lie_epoch:") else None
+        self._corrupt = (fault.partition(":")[2] or "noise") if fault.startswith("corrupt_state") else ""
 
     def after_outer_step(self) -> None:
         """Call (under ``lock``) after the outer weights changed: refresh the published hash."""
@@ -108,6 +121,11 @@ class StateSync:
             metadata = {"epoch": self.outer.epoch, "inner_step": self.outer.epoch * self.inner_steps,
                         "fingerprint": self.fingerprint, "state_hash": self.state_hash}
             tensors = [p.detach().clone() for p in self.outer.params] + self.outer.momentum_buffers()
+        if self._lie_epoch is not None:
+            metadata.update(epoch=self._lie_epoch, inner_step=self._lie_epoch * self.inner_steps)
+        if self._corrupt:
+            n = len(self.outer.params)
+            tensors[:n] = [t.fill_(float("nan")) if self._corrupt == "nan" else t + 1e-3 for t in tensors[:n]]
         if self.on_serve is not None:
             self.on_serve(metadata["epoch"], sum(t.numel() * t.element_size() for t in tensors))
         return metadata, tensors
@@ -129,7 +147,8 @@ class StateSync:
         if not isinstance(metadata, dict) or metadata.get("fingerprint") != self.fingerprint:
             return "its config fingerprint differs from ours (another model or run)"
         if metadata.get("epoch") != target.epoch or target.epoch < self.outer.epoch:
-            return f"it sent epoch {metadata.get('epoch')}, expected {target.epoch} (>= ours, {self.outer.epoch})"
+            return (f"it sent epoch {metadata.get('epoch')}, expected the swarm's {target.epoch} "
+                    f"(>= ours, {self.outer.epoch})")
         if len(tensors) != 2 * n:
             return f"it sent {len(tensors)} tensors, expected {2 * n}"
         for mine, theirs in zip(self.outer.params * 2, tensors):
@@ -160,12 +179,14 @@ class StateSync:
                         self.averager.download_state_from, donor, self.cfg.sync_timeout)
                 except Exception as e:
                     result.error = f"donor {donor[-8:]}: {e}"
+                    result.donor_errors.append(result.error)
                     logger.warning(f"state sync: {result.error}; trying another donor")
                     continue
                 result.bytes += received
                 problem = await asyncio.to_thread(self._check, metadata, tensors, target)
                 if problem:
                     result.error = f"donor {donor[-8:]} rejected: {problem}"
+                    result.donor_errors.append(result.error)
                     logger.warning(f"state sync: {result.error}")
                     continue
                 n = len(self.outer.params)

@@ -7,11 +7,12 @@ import pytest
 import torch
 from hivemind.dht import DHT
 
-from diloco_peer.averaging_round import RoundAverager
+from diloco_peer import state_sync
+from diloco_peer.averaging_round import FAULT_ENV, RoundAverager
 from diloco_peer.config import load_config
 from diloco_peer.model import build_model, param_sha256
 from diloco_peer.outer_optimizer import OuterOptimizer
-from diloco_peer.progress import ProgressRecord
+from diloco_peer.progress import ProgressRecord, add_progress_validators, fetch_progress
 from diloco_peer.state_sync import StateSync, Target, swarm_target
 
 SETS = ["averaging.sync_timeout=3.0", "averaging.matchmaking_time=2.0", "averaging.request_timeout=1.0"]
@@ -154,6 +155,28 @@ def test_bad_donors_are_skipped_and_the_next_one_tried(peers):
     assert param_sha256(newcomer.outer.params) == param_sha256(good.outer.params)
 
 
+@pytest.mark.parametrize("fault, reason", [
+    ("corrupt_state", "the weights it sent do not match the hash it published"),
+    ("corrupt_state:nan", "it sent non-finite values"),
+    # it publishes epoch 2 and the swarm's hash, but serves its state as epoch 1000
+    ("lie_epoch:1000", "it sent epoch 1000, expected the swarm's 2 (>= ours, 0)"),
+])
+def test_a_corrupt_or_lying_donor_is_rejected_with_its_reason_and_the_next_one_used(peers, monkeypatch, fault, reason):
+    good, newcomer = peers(), peers()
+    monkeypatch.setenv(FAULT_ENV, fault)
+    bad = peers()  # the fault is read when its state sync starts
+    monkeypatch.delenv(FAULT_ENV)
+    good.advance(2)
+    assert asyncio.run(bad.sync.sync(good.target())).ok  # it holds (and publishes) the swarm's very state
+    assert bad.sync.state_hash == good.sync.state_hash
+    monkeypatch.setattr(state_sync.random, "shuffle", lambda donors: None)  # the bad donor is tried first
+    result = asyncio.run(newcomer.sync.sync(Target(2, good.sync.state_hash, [bad.id, good.id])))
+    assert result.ok and result.donor == good.id and result.attempts == 2, result
+    assert result.donor_errors == [f"donor {bad.id[-8:]} rejected: {reason}"]
+    assert len(bad.served) == 1 and param_sha256(newcomer.outer.params) == good.sync.state_hash
+    assert newcomer.outer.epoch == 2
+
+
 def test_states_that_fail_the_checks_are_refused(peers):
     donor, newcomer = peers(), peers()
     foreign = peers(fingerprint="another-model")
@@ -184,3 +207,65 @@ def test_needs_sync_says_why(peers):
     assert me.sync.needs_sync(me.target()) == ""
     assert "the swarm is at epoch 4, we are at 0" in me.sync.needs_sync(Target(4, "h", ["x"]))
     assert "differ from the swarm's (held by 2 peers)" in me.sync.needs_sync(Target(0, "h", ["x", "y"]))
+
+
+def _wait_until(condition, what, timeout=90.0):
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g}s"
+        time.sleep(0.2)
+    return found
+
+
+@pytest.mark.slow
+def test_a_newcomer_rejects_a_corrupt_donor_and_syncs_from_an_honest_one(local_swarm, monkeypatch):
+    """Two peers train together; one serves corrupt weights (finite, plausible, not matching its hash)."""
+    local_swarm.start_bootstrap()
+    sets = ["averaging.min_peers=2", "outer.inner_steps=30"]
+    local_swarm.start_peer("honest", *sets)
+    local_swarm.start_peer("corrupt", *sets, env={FAULT_ENV: "corrupt_state"})
+
+    def peer_id(name):
+        return next((e["peer_id"] for e in local_swarm.events(name) if e["event"] == "start"), None)
+
+    def serves(name):
+        return [e for e in local_swarm.events(name) if e["event"] == "serve"]
+
+    ids = {name: _wait_until(lambda: peer_id(name), f"{name} start") for name in ("honest", "corrupt")}
+    rejected = f"donor {ids['corrupt'][-8:]} rejected: the weights it sent do not match the hash it published"
+
+    # 1. a newcomer in this process, where the donor order can be fixed: the corrupt donor is tried first
+    cfg = load_config(None, SETS)
+    newcomer = _Peer(cfg, [local_swarm.address])
+    try:
+        add_progress_validators(newcomer.dht, cfg.run.run_id)
+
+        def target_held_by_both():  # between two rounds: both averaged into the same state
+            target = swarm_target(asyncio.run(fetch_progress(newcomer.dht, cfg.run.run_id)))
+            return target if target and target.epoch >= 1 and set(target.holders) == set(ids.values()) else None
+
+        monkeypatch.setattr(state_sync.random, "shuffle", lambda donors: donors.sort(key=lambda d: d != ids["corrupt"]))
+        results = []
+        while len(results) < 3:  # if the swarm steps while we download, the honest state moves on: take the next
+            target = _wait_until(target_held_by_both, "state held by both peers")
+            results.append(result := asyncio.run(newcomer.sync.sync(target)))
+            if result.ok or "expected the swarm's" not in result.error:
+                break
+        assert result.ok and result.donor == ids["honest"] and result.donor_errors == [rejected], results
+        assert newcomer.sync.state_hash == target.state_hash and newcomer.outer.epoch == target.epoch
+    finally:
+        newcomer.close()
+    assert serves("corrupt")
+    monkeypatch.undo()
+
+    # 2. a real newcomer, donors in random order: whichever it tried first, it ends on the honest peer's state
+    local_swarm.start_peer("new", *sets)
+    synced = _wait_until(lambda: [e for e in local_swarm.events("new") if e["event"] == "sync" and e["ok"]],
+                         "successful sync")[0]
+    assert synced["donor"] == ids["honest"], synced
+    syncs = [e for e in local_swarm.events("new") if e["event"] == "sync"]
+    refusals = [err for e in syncs for err in e["donor_errors"] if ids["corrupt"][-8:] in err]
+    assert all(err == rejected for err in refusals), refusals
+    # every state the corrupt peer served was refused, by us and by the newcomer each time it tried it
+    ours = sum(err == rejected for r in results for err in r.donor_errors)
+    assert len(serves("corrupt")) == ours + len(refusals), (serves("corrupt"), results, syncs)
