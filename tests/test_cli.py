@@ -447,3 +447,16 @@ def test_fuzzed_command_lines_exit_with_a_documented_code_and_one_line(commands_
         lines = err.getvalue().split("\n")
         assert len(lines) == 2 and lines[1] == "" and lines[0].startswith("diloco-peer: error: "), err.getvalue()
         assert "Traceback" not in lines[0]
+
+
+def test_two_processes_with_one_identity_the_second_fails_fast(local_swarm):
+    key = local_swarm.workdir / "one.key"
+    assert run_cli("keygen", str(key)).returncode == 0
+    address = local_swarm.start_bootstrap("--identity", str(key))
+    started = time.monotonic()
+    second = run_cli("join", address, "--identity", str(key), "--set", 'checkpoint.dir=""')
+    assert second.returncode == cli.EXIT_RUNTIME, second
+    assert second.stderr.strip().splitlines() == [
+        f"diloco-peer: error: identity {key} is already used by another running peer: give each process its "
+        f"own --identity file"]
+    assert time.monotonic() - started < 30
