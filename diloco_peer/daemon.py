@@ -36,7 +36,8 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from .averaging_round import RoundAverager, RoundResult, refuse_update
+from .admission import load_admission
+from .averaging_round import RoundAverager, RoundResult
 from .checkpoint import CheckpointManager, capture, restore
 from .config import PeerConfig
 from .data import Corpus, shard_for_peer
@@ -47,6 +48,7 @@ from .outer_optimizer import OuterOptimizer
 from .overlapped_round import OverlappedRounds
 from .progress import SwarmProgress
 from .reaper import Reaper
+from .robust_aggregation import refuse_update
 from .state_sync import StateSync, swarm_target
 from .swarm import join_swarm, visible_addresses
 from .trainer import ComputeThread, Trainer
@@ -158,8 +160,9 @@ class PeerDaemon:
                     resumed_from = str(manager.files()[0])
                     logger.info(f"resumed from {resumed_from}: epoch {outer.epoch}, inner step {trainer.step}")
                 checkpoints = manager
+            admission = load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
             averager = self.averager = RoundAverager(dht, [p.shape for p in outer.params], cfg.run.run_id,
-                                                     cfg.averaging)
+                                                     cfg.averaging, admission)
             self._watch_children(reaper)
             sync = self.sync = StateSync(averager.averager, outer, cfg.fingerprint(), cfg.outer.inner_steps,
                                          cfg.averaging, on_serve=lambda epoch, size: events.write(
@@ -340,6 +343,7 @@ class PeerDaemon:
         if decision.ready > 1:
             self.events.write("averaging", peer=self.name, epoch=epoch, ready_peers=decision.ready)
             result = await averager.average(pseudo_gradient, weight=inner["tokens"], epoch=epoch)
+            self.report_offenses(result)
             if result.ok and (why := refuse_update(result.averaged, pseudo_gradient, cfg.averaging.max_update_ratio)):
                 result.ok, result.error = False, f"refused the group's average: {why}"
             outcome = "averaged" if result.ok else "failed"
@@ -370,6 +374,14 @@ class PeerDaemon:
             "eval_loss": eval_loss, "inner_lr": trainer.current_lr(), "outer_lr": cfg.outer.lr,
             "inner_step": trainer.step, "param_sha256": self.sync.state_hash,
         }
+
+    def report_offenses(self, result: RoundResult) -> None:
+        """Log the contributions our averager refused (metrics count them, by kind, from the event log)."""
+        for offense in result.offenses:
+            self.events.write("offense", peer=self.name, **offense)
+            if offense["banned"]:
+                logger.warning(f"banned peer {offense['offender']} for {self.cfg.averaging.ban_seconds:g}s: repeated "
+                               f"offenses, the last: {offense['kind']}: {offense['detail']}")
 
     def _outer_step(self, update: list[torch.Tensor]) -> None:
         with self.sync.lock:  # a peer downloading our state sees the state before or after, never between
