@@ -47,7 +47,7 @@ from .model import build_model, num_parameters
 from .outer_optimizer import OuterOptimizer
 from .overlapped_round import OverlappedRounds
 from .progress import SwarmProgress
-from .reaper import Reaper
+from .reaper import Reaper, exit_with_children
 from .robust_aggregation import refuse_update
 from .state_sync import StateSync, swarm_target
 from .swarm import join_swarm, visible_addresses
@@ -92,7 +92,7 @@ class PeerDaemon:
     def _request_stop(self, signame: str) -> None:
         if self.stopping:
             logger.warning(f"second {signame}: exiting now")
-            _exit_now(130)
+            exit_with_children(130)
         grace = self.cfg.run.shutdown_grace
         logger.info(f"{signame}: leaving after the current inner step, within {grace:g}s "
                     f"(press Ctrl+C again to exit at once)")
@@ -102,7 +102,7 @@ class PeerDaemon:
     def _grace_expired(self) -> None:
         logger.error(f"could not leave cleanly within run.shutdown_grace={self.cfg.run.shutdown_grace:g}s: exiting "
                      f"now (the last complete checkpoint stays valid)")
-        _exit_now(1)
+        exit_with_children(1)
 
     async def run(self) -> int:
         cfg = self.cfg
@@ -394,13 +394,3 @@ def _name(process: psutil.Process) -> str:
         return process.name()
     except psutil.Error:  # gone meanwhile
         return ""
-
-
-def _exit_now(code: int) -> None:
-    """Exit at once, but take our children (DHT and averager processes, p2pd) along: never leave orphans."""
-    for child in psutil.Process().children(recursive=True):
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
-    os._exit(code)

@@ -59,6 +59,18 @@ class Reaper:
             self.proc.wait()
 
 
+def exit_with_children(code: int) -> None:
+    """Exit at once, but take our children (DHT and averager processes, p2pd) along: never leave orphans."""
+    import psutil  # here, not at the top: the watcher process itself starts with as few imports as it can
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    os._exit(code)
+
+
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only our parent's end ends us
     parent, fd = os.getppid(), sys.stdin.fileno()
