@@ -163,6 +163,13 @@ class PseudoGradientAverager(DecentralizedAverager):
             raise RuntimeError("this peer has no state to share yet")
         return self.state_provider()
 
+    def report_offense(self, peer: str, kind: str, detail: str) -> None:
+        """From the host process: count an offense found there (e.g. a corrupt state download) towards a ban."""
+        self._outer_pipe.send(("_report_from_host", [peer, kind, detail], {}))
+
+    async def _report_from_host(self, peer: str, kind: str, detail: str) -> None:
+        self._report(PeerID.from_base58(peer), kind, detail)
+
     def download_state_from(self, donor: str, timeout: float) -> tuple[dict, list[torch.Tensor], int]:
         """Download ``donor``'s state: (metadata, tensors, bytes received). Raises on failure or silence."""
         future = MPFuture()

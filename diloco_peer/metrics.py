@@ -82,7 +82,7 @@ class PeerMetrics:
                                      "taken (unix time); for stall alerts", registry=r)
         self.up = Gauge("diloco_peer_up", "1 while the peer trains, 0 once it is leaving", registry=r)
         self.rejected = Counter("diloco_rejected_contributions", "Contributions of other peers refused, by why: "
-                                "malformed, shape, non_finite, weight, norm, direction, unadmitted, banned",
+                                "malformed, shape, non_finite, weight, norm, direction, unadmitted, state",
                                 ["kind"], registry=r)
         self.bans = Counter("diloco_peer_bans", "Peers banned for repeated offenses", registry=r)
         self.status = {"status": "joining", "epoch": 0, "last_outer_step": None}

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import torch
 from hivemind.averaging.partition import TensorPartReducer
 
-OFFENSE_KINDS = ("malformed", "shape", "non_finite", "weight", "norm", "direction", "unadmitted", "banned")
-"""Labels of ``diloco_rejected_contributions_total``: why a peer's contribution was refused."""
+OFFENSE_KINDS = ("malformed", "shape", "non_finite", "weight", "norm", "direction", "unadmitted", "state")
+"""Labels of ``diloco_rejected_contributions_total``: why a peer's contribution was refused (``state``: a
+state download that failed its checks, see ``state_sync.py``)."""
 
 
 class BadContribution(Exception):

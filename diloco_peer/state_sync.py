@@ -188,6 +188,8 @@ class StateSync:
                     result.error = f"donor {donor[-8:]} rejected: {problem}"
                     result.donor_errors.append(result.error)
                     logger.warning(f"state sync: {result.error}")
+                    # the donor is the peer we dialled (libp2p authenticates it): safe to count towards a ban
+                    self.averager.report_offense(donor, "state", problem)
                     continue
                 n = len(self.outer.params)
                 with self.lock:

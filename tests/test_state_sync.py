@@ -175,6 +175,11 @@ def test_a_corrupt_or_lying_donor_is_rejected_with_its_reason_and_the_next_one_u
     assert result.donor_errors == [f"donor {bad.id[-8:]} rejected: {reason}"]
     assert len(bad.served) == 1 and param_sha256(newcomer.outer.params) == good.sync.state_hash
     assert newcomer.outer.epoch == 2
+    offenses, deadline = [], time.monotonic() + 10  # counted in the averager process, towards a ban
+    while not offenses and time.monotonic() < deadline:
+        time.sleep(0.1)
+        offenses = newcomer.averager.offenses()
+    assert [(o["offender"], o["kind"], o["detail"]) for o in offenses] == [(bad.id, "state", reason)], offenses
 
 
 def test_states_that_fail_the_checks_are_refused(peers):
