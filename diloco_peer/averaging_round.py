@@ -184,16 +184,23 @@ class PseudoGradientAverager(DecentralizedAverager):
             stub = self.get_stub(self._p2p, PeerID.from_base58(donor), namespace=self.prefix)
             stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
             metadata, tensors, parts, received = None, [], [], 0
+
+            def _complete(parts) -> torch.Tensor:
+                if len(parts) != max(parts[0].chunks, 1):  # a stream that broke off: say so, not "invalid shape"
+                    raise RuntimeError(f"the state download broke off: tensor {len(tensors)} came in "
+                                       f"{len(parts)} of {parts[0].chunks} chunks")
+                return deserialize(combine_from_streaming(parts))
+
             async for message in aiter_with_timeout(stream, timeout=timeout):
                 received += message.ByteSize()
                 if message.metadata:
                     metadata = self.serializer.loads(message.metadata)
                 if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
-                    tensors.append(deserialize(combine_from_streaming(parts)))
+                    tensors.append(_complete(parts))
                     parts = []
                 parts.append(message.tensor_part)
             if parts:
-                tensors.append(deserialize(combine_from_streaming(parts)))
+                tensors.append(_complete(parts))
             if metadata is None:
                 raise RuntimeError("the donor declined to share its state")
             future.set_result((metadata, tensors, received))

@@ -171,8 +171,10 @@ class StateSync:
             result.error = f"refusing the state of epoch {target.epoch}: older than ours ({self.outer.epoch})"
             return result
         self.averager.allow_state_sharing = False  # nobody should download from us while we are behind
+        queue = list(donors)
         try:
-            for donor in donors[: self.cfg.sync_attempts]:
+            while queue and result.attempts < self.cfg.sync_attempts:
+                donor = queue.pop(0)
                 result.attempts += 1
                 try:
                     metadata, tensors, received = await asyncio.to_thread(
@@ -181,6 +183,7 @@ class StateSync:
                     result.error = f"donor {donor[-8:]}: {e}"
                     result.donor_errors.append(result.error)
                     logger.warning(f"state sync: {result.error}; trying another donor")
+                    queue.append(donor)  # a timeout or a broken stream may pass: it may be tried again, last
                     continue
                 result.bytes += received
                 problem = await asyncio.to_thread(self._check, metadata, tensors, target)
@@ -197,9 +200,8 @@ class StateSync:
                     self.state_hash = target.state_hash
                 result.ok, result.donor, result.epoch = True, donor, target.epoch
                 break
-            else:
-                if not donors:
-                    result.error = "no peer holds the swarm's state"
+            if not donors:
+                result.error = "no peer holds the swarm's state"
         finally:
             self.averager.allow_state_sharing = True
             result.seconds = time.perf_counter() - started
