@@ -204,7 +204,7 @@ class AveragingConfig(_Section):
     median weight, so that no single member can move the average far (cost on honest rounds: SECURITY.md)."""
     min_cosine: float = Field(0.0, ge=-1.0, le=1.0)
     """Robust aggregation: the lowest cosine similarity a part may have with the group's coordinate-wise
-    median (with only one other sender: with our own part)."""
+    median (groups of 3 or more; two cannot tell which of them is off)."""
     ban_after: int = Field(2, ge=1)
     """Refused contributions (any kind) within ``ban_seconds`` after which a peer is banned: it cannot join
     our groups, be in a group we average in, or download our state."""

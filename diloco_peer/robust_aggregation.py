@@ -7,9 +7,9 @@ broken hardware, buggy forks and attackers, so here every number is checked wher
 - **as a reducer**, each incoming part of a pseudo-gradient (``CheckedPartReducer``): exact shape, float32,
   finite, a sane weight (finite, positive, at most ``max_weight_ratio`` times our own tokens), and a norm at
   most ``max_update_ratio`` times our own part's. In ``robust`` mode, once a part is in from every sender,
-  parts pointing against the group (cosine with the coordinate-wise median below ``min_cosine``) are dropped and
-  the rest are clipped to the median norm and averaged with weights clipped to the median weight, so that
-  no single member can move the average far, whatever it sends;
+  parts pointing against the group (groups of 3+: cosine with the coordinate-wise median below
+  ``min_cosine``) are dropped and the rest are clipped to the median norm and averaged with weights clipped
+  to the median weight, so that no single member can move the average far, whatever it sends;
 - **as a member**, each averaged part a reducer sends back (``check_average``): shape, finite, norm against
   our own part; in robust mode its direction too;
 - **after the round**, the whole average (``refuse_update``), the last line of defence.
@@ -91,13 +91,11 @@ def aggregate(parts: dict[int, tuple[torch.Tensor, float]], own: int | None,
                                                            f"{norms[s] / max(norms[own], 1e-12):.0f}x ours "
                                                            f"(averaging.max_update_ratio={limits.max_update_ratio:g})")))
     kept = {s: pw for s, pw in parts.items() if s not in {r for r, _ in refused}}
-    if limits.robust and own in kept and len(kept) >= 2:
-        # the direction to agree with: the coordinate-wise median of all parts (a minority cannot move it), or
-        # with only one other sender, our own part (a mean of two cannot tell which of them is wrong)
-        if len(kept) > 2:
-            reference = torch.stack([p for p, _ in kept.values()]).median(dim=0).values.double().flatten()
-        else:
-            reference = kept[own][0].double().flatten()
+    if limits.robust and own in kept and len(kept) >= 3:
+        # the direction to agree with: the coordinate-wise median of all parts (a minority cannot move it). Not
+        # with two senders: then it would be our own part, and two honest parts of a slice of the model can
+        # point apart (measured: an honest pair refused each other at min_cosine 0); nor can two tell who is off
+        reference = torch.stack([p for p, _ in kept.values()]).median(dim=0).values.double().flatten()
         for s, (p, _) in kept.items():
             if s == own:
                 continue
