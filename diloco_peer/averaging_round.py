@@ -23,6 +23,8 @@ from typing import AsyncIterator  # not collections.abc: hivemind reads the hand
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 from hivemind.dht import DHT
@@ -36,7 +38,7 @@ from .admission import Admission
 from .allreduce import FAILED_VALUES, RECEIVED, SENT, TRANSFER_US, ExactAllReduceRunner
 from .compression import ErrorFeedback, WireCompression, deserialize, get_codec
 from .config import AveragingConfig
-from .robust_aggregation import BanList, Limits
+from .robust_aggregation import BanList, Limits, capped_bandwidths
 
 logger = logging.getLogger(__name__)
 
@@ -208,10 +210,22 @@ class PseudoGradientAverager(DecentralizedAverager):
             if not future.done():
                 future.set_exception(RuntimeError(f"{type(e).__name__}: {e}".strip(": ")))
 
+    def _fair_fractions(self, group_info) -> tuple[int, ...]:
+        # hivemind's split of the vector, but from capped declared bandwidths (robust_aggregation.capped_bandwidths)
+        bandwidths, modes = [], []
+        for gathered in group_info.gathered:
+            bandwidth, mode, _ = self.serializer.loads(gathered)
+            bandwidths.append(bandwidth)
+            modes.append(AveragingMode(mode))
+        capped = capped_bandwidths([b if m != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, modes)])
+        return load_balance_peers(self.total_size, capped, self.allreduce_kwargs["min_vector_size"])
+
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         started = time.perf_counter()
         group_id = group_info.group_id if group_id is None else group_id
         self._allreduces += 1
+        kwargs["peer_fractions"] = await asyncio.get_running_loop().run_in_executor(
+            None, self._fair_fractions, group_info)
         for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
             kind, why = self._refusal(peer_id, gathered) if peer_id != self.peer_id else ("", "")
             if why:  # a leader let in a peer we refuse (or is one): we average with nobody in this group
@@ -235,8 +249,16 @@ class PseudoGradientAverager(DecentralizedAverager):
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
-        async for tensor, averaged in azip(as_aiter(*tensors), runner):
-            tensor.copy_(averaged)
+        # hivemind retries a failed all-reduce with the same tensors: those we had already overwritten with
+        # averages would then go in as if they were our pseudo-gradient. Put our own values back first.
+        ours = [t.clone() for t in tensors]
+        try:
+            async for tensor, averaged in azip(as_aiter(*tensors), runner):
+                tensor.copy_(averaged)
+        except BaseException:
+            for tensor, own in zip(tensors, ours):
+                tensor.copy_(own)
+            raise
         # by now every sender has started streaming to us (our last part needed all of theirs)
         await runner.wait_for_replies(timeout=runner.reducer_timeout or 5.0)
         self.traffic[FAILED_VALUES] += runner.tensor_part_container.failed_size

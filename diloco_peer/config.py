@@ -184,7 +184,8 @@ class AveragingConfig(_Section):
     heartbeat: float = Field(5.0, gt=0)
     """Seconds between progress records published to the DHT (records expire after 3 heartbeats)."""
     bandwidth: float = Field(0.0, ge=0)
-    """Declared bandwidth in MB/s: the share of the all-reduce this peer reduces; 0 = equal shares."""
+    """Declared bandwidth in MB/s: the share of the all-reduce this peer reduces; 0 = equal shares. It can
+    lower a slow peer's share, never raise one above the group's median peer's (robust_aggregation.py)."""
     sync_timeout: float = Field(30.0, gt=0)
     """State sync: seconds to wait for each chunk of a state download before trying another donor."""
     sync_attempts: int = Field(3, ge=1)

@@ -134,6 +134,26 @@ def check_average(averaged: torch.Tensor, own_part: torch.Tensor, limits: Limits
                                                f"(averaging.min_cosine={limits.min_cosine:g})")
 
 
+MAX_BANDWIDTH_RATIO = 1.0
+"""A peer's declared bandwidth counts at most this many times the group's median when the vector is split:
+declaring less lowers a slow peer's share; declaring more never raises it above the median peer's
+(hivemind's split is a linear program that hands a peer 4x faster than the rest the whole vector)."""
+
+
+def capped_bandwidths(bandwidths: list[float | None]) -> list[float | None]:
+    """Declared bandwidths with outliers capped, so that nobody reduces (and so controls) a huge span.
+
+    hivemind splits the vector among the group in proportion to the bandwidth each member *declares*; a
+    reducer answers for its span alone, so a peer declaring 1e12 MB/s would reduce nearly all of it. Every
+    peer applies this same rule to the same gathered numbers, so the group still agrees on the split.
+    """
+    declared = sorted(b for b in bandwidths if b is not None and b > 0)
+    if not declared:
+        return list(bandwidths)
+    cap = MAX_BANDWIDTH_RATIO * declared[(len(declared) - 1) // 2]
+    return [min(b, cap) if b is not None and b > 0 else b for b in bandwidths]
+
+
 class CheckedPartReducer(TensorPartReducer):
     """hivemind's reducer, but each part is checked on arrival and averaged by ``aggregate`` once complete.
 

@@ -36,6 +36,18 @@ def p2pd_pids() -> set[int]:
     return pids
 
 
+def orphaned_p2pd_pids() -> set[int]:
+    """p2pd daemons whose owner died without them (re-parented to init); others' test swarms may run meanwhile."""
+    orphans = set()
+    for pid in p2pd_pids():
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == "1":
+                orphans.add(pid)
+        except OSError:
+            continue
+    return orphans
+
+
 def wait_for_line(path: Path, prefix: str, proc: subprocess.Popen, timeout: float = 60) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -20,7 +20,7 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import FAST, diloco_cmd, p2pd_pids, wait_for_line
+from conftest import FAST, diloco_cmd, orphaned_p2pd_pids, p2pd_pids, wait_for_line
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -104,18 +104,6 @@ def test_unreachable_bootstrap_names_the_address():
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and GOOD_ADDR in lines[0] and "could not reach" in lines[0]
     assert p2pd_pids() <= before, "a failed start must not leave a p2pd daemon behind"
-
-
-def orphaned_p2pd_pids() -> set[int]:
-    """p2pd daemons whose owner died without them (re-parented to init); others' test swarms may run meanwhile."""
-    orphans = set()
-    for pid in p2pd_pids():
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == "1":
-                orphans.add(pid)
-        except OSError:
-            continue
-    return orphans
 
 
 def test_status_of_an_unreachable_swarm_exits_3_at_once():
