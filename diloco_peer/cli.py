@@ -347,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help and --version (0), or a usage error, already printed as one line
         return int(e.code or 0)
-    from .config import ConfigError, check_environment
+    from .config import ConfigError
+    from .environment import check_environment
 
     try:
         check_environment(os.environ)  # before hivemind is imported: it reads most of them then

@@ -92,7 +92,7 @@ def test_bad_environment_variable_is_a_one_line_usage_error(variable, value):
 
 
 def cli_expected(variable: str) -> str:
-    from diloco_peer.config import ENVIRONMENT
+    from diloco_peer.environment import ENVIRONMENT
 
     return ENVIRONMENT[variable][1]
 

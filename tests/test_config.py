@@ -13,14 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import diloco_peer
-from diloco_peer.config import (
-    CONFIG_DIR,
-    ENVIRONMENT,
-    ConfigError,
-    PeerConfig,
-    check_environment,
-    load_config,
-)
+from diloco_peer.config import CONFIG_DIR, ConfigError, PeerConfig, load_config
+from diloco_peer.environment import ENVIRONMENT, check_environment
 
 # the fuzz tests of this file together take a few seconds; no example database is written to the checkout
 FUZZ = settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -398,12 +392,12 @@ def fault_kinds_read(source: str) -> set[str]:
 
 def test_every_fault_kind_the_code_reads_is_checked_and_no_other():
     from diloco_peer.averaging_round import FAULT_ENV
-    from diloco_peer.config import FAULTS
+    from diloco_peer.environment import FAULTS
 
     assert FAULT_ENV in ENVIRONMENT
     package = Path(diloco_peer.__file__).parent
     read = set().union(*(fault_kinds_read(path.read_text()) for path in package.glob("*.py")))
-    assert read == set(FAULTS), "add the new fault kind (or drop the old one) in config.FAULTS"
+    assert read == set(FAULTS), "add the new fault kind (or drop the old one) in environment.FAULTS"
 
 
 @FUZZ
