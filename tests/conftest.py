@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -113,6 +114,45 @@ class LocalSwarm:
             except ProcessLookupError:
                 pass
             proc.wait()
+
+
+def wait_until(condition, what: str, timeout: float = 90.0):
+    """Poll ``condition()`` until it returns something truthy (returned); fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g}s"
+        time.sleep(0.2)
+    return found
+
+
+def require_tool(name: str, package: str) -> None:
+    """Skip a test whose Debian tool is missing on a developer's machine; in CI (where `make test` installs it)
+    a missing tool is a broken setup, so the test fails instead of passing silently."""
+    if shutil.which(name) is None:
+        message = f"{name} (Debian package {package}) is not installed; `make test` installs it"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}, but it is missing in CI")
+        pytest.skip(message)
+
+
+@pytest.fixture
+def dhts():
+    """``dhts(n)``: n real DHT nodes on loopback, joined through one more root node; all shut down after."""
+    from hivemind.dht import DHT
+
+    started = []
+
+    def make(count: int) -> list:
+        root = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        started.append(root)
+        addrs = [str(a) for a in root.get_visible_maddrs()]
+        for _ in range(count):
+            started.append(DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=addrs))
+        return started[1:]
+
+    yield make
+    for dht in started:
+        dht.shutdown()
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 docker-compose, the dashboards against a real Prometheus scraping a real local swarm."""
 
 import json
-import shutil
 import socket
 import subprocess
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import diloco_cmd
+from conftest import diloco_cmd, require_tool
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +26,7 @@ def _free_port() -> int:
 
 
 def test_compose_file_is_valid_and_deploys_the_whole_stack():
-    if shutil.which("docker-compose") is None:
-        pytest.skip("docker-compose (Debian package docker-compose) is not installed; `make test` installs it")
+    require_tool("docker-compose", "docker-compose")
     for profile in ([], ["--profile", "gpu"]):
         result = subprocess.run(["docker-compose", *profile, "-f", str(ROOT / "docker-compose.yml"), "config"],
                                 capture_output=True, text=True, cwd=ROOT, timeout=60)
@@ -68,8 +66,7 @@ def _prometheus_config(bootstrap_port: int, peer_ports: list[int]) -> dict:
 
 
 def test_every_dashboard_panel_shows_data_from_a_real_swarm(local_swarm, tmp_path):
-    if shutil.which("prometheus") is None:
-        pytest.skip("prometheus (Debian package prometheus) is not installed; `make test` installs it")
+    require_tool("prometheus", "prometheus")
     boot_port, prom_port, peer_ports = _free_port(), _free_port(), [_free_port(), _free_port()]
     address = local_swarm.start_bootstrap("--metrics-port", str(boot_port))
     sets = ["averaging.min_peers=2", "outer.inner_steps=5", f"checkpoint.dir={json.dumps(str(tmp_path / 'ckpt'))}"]

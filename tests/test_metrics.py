@@ -1,7 +1,6 @@
 """Per-peer Prometheus metrics: fed by the event log, named by Prometheus' conventions, served over HTTP."""
 
 import json
-import shutil
 import socket
 import subprocess
 import time
@@ -9,7 +8,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import diloco_cmd
+from conftest import diloco_cmd, require_tool
 from prometheus_client.parser import text_string_to_metric_families
 from test_cli import GOOD_ADDR
 
@@ -94,8 +93,7 @@ def test_metric_names_follow_prometheus_conventions():
             assert all(s.name.endswith(("_total", "_created")) for s in family.samples), family.name
         labels = {k for s in family.samples for k in s.labels}
         assert "peer_id" not in labels or family.name == "diloco_peer_info", family.name  # high cardinality: info only
-    if shutil.which("promtool") is None:
-        pytest.skip("promtool (Debian package prometheus) is not installed; .ci/run installs it")
+    require_tool("promtool", "prometheus")
     lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout + lint.stderr
 
