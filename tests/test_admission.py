@@ -8,7 +8,6 @@ import subprocess
 import pytest
 import torch
 from conftest import diloco_cmd
-from hivemind.dht import DHT
 from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 
@@ -112,23 +111,6 @@ def test_only_holders_of_the_secret_can_join_the_dht(tmp_path):
     finally:
         for dht in started:
             dht.shutdown()
-
-
-@pytest.fixture
-def dhts():
-    started = []
-
-    def make(count: int) -> list[DHT]:
-        root = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        started.append(root)
-        addrs = [str(a) for a in root.get_visible_maddrs()]
-        for _ in range(count):
-            started.append(DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=addrs))
-        return started[1:]
-
-    yield make
-    for dht in started:
-        dht.shutdown()
 
 
 async def _rounds(averagers, inputs, epoch):

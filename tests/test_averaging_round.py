@@ -8,7 +8,6 @@ import asyncio
 
 import pytest
 import torch
-from hivemind.dht import DHT
 
 from diloco_peer.averaging_round import RoundAverager
 from diloco_peer.compression import BLOCK
@@ -16,23 +15,6 @@ from diloco_peer.config import AveragingConfig
 
 SHAPES = [torch.Size([257, 31]), torch.Size([1000]), torch.Size([3, 5, 7])]
 CFG = AveragingConfig(matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30.0)
-
-
-@pytest.fixture
-def dhts():
-    started = []
-
-    def make(count: int) -> list[DHT]:
-        root = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        started.append(root)
-        addrs = [str(a) for a in root.get_visible_maddrs()]
-        for _ in range(count):
-            started.append(DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=addrs))
-        return started[1:]
-
-    yield make
-    for dht in started:
-        dht.shutdown()
 
 
 def _pseudo_gradients(seed: int) -> list[torch.Tensor]:

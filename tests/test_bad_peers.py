@@ -9,16 +9,6 @@ from conftest import FAST
 from diloco_peer.averaging_round import FAULT_ENV
 from diloco_peer.checkpoint import load_file
 from diloco_peer.config import load_config
-from diloco_peer.robust_aggregation import refuse_update
-
-
-def test_an_average_with_nans_or_a_huge_norm_is_refused():
-    own = [torch.ones(10), torch.ones(3, 3)]
-    assert refuse_update([t * 2 for t in own], own, 10.0) == ""
-    assert "2 non-finite values" in refuse_update([torch.tensor([1.0, float("nan"), float("inf")]), own[1]], own, 10)
-    assert "norm" in refuse_update([t * 11 for t in own], own, 10.0)
-    assert refuse_update([t * 11 for t in own], own, 0.0) == ""  # 0 disables the norm check
-    assert "non-finite" in refuse_update([t * float("nan") for t in own], own, 0.0)  # never disabled
 
 
 @pytest.mark.slow

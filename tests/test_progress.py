@@ -5,7 +5,7 @@ import math
 import time
 
 import pytest
-from conftest import FAST
+from conftest import FAST, wait_until
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import SchemaValidator
@@ -281,14 +281,6 @@ def test_a_failed_peer_waits_for_the_others_to_end_the_round(two_dhts):
     assert no_wait < 1.0 and 1.0 <= bounded < 3, (no_wait, bounded)
 
 
-def _wait_until(condition, what, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not (found := condition()):
-        assert time.monotonic() < deadline, f"no {what} within {timeout:g}s"
-        time.sleep(0.2)
-    return found
-
-
 @pytest.mark.slow
 def test_honest_peers_never_follow_a_peer_lying_about_its_epoch(local_swarm):
     """2 honest peers + 1 that claims epoch 1000 (and serves its real weights as epoch 1000, hash matching)."""
@@ -297,16 +289,16 @@ def test_honest_peers_never_follow_a_peer_lying_about_its_epoch(local_swarm):
     honest = {name: local_swarm.start_peer(name, *sets) for name in ("p0", "p1")}
     # the liar joins the running swarm (one that founded the swarm would be followed: see progress.py)
     for name in honest:
-        _wait_until(lambda: any(e["event"] == "progress" for e in local_swarm.events(name)), f"{name} training")
+        wait_until(lambda: any(e["event"] == "progress" for e in local_swarm.events(name)), f"{name} training", 60)
     liar = local_swarm.start_peer("liar", *sets, env={FAULT_ENV: "lie_epoch:1000"})
     run_id = load_config(None, FAST).run.run_id
     watcher = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[local_swarm.address])
     try:
         add_progress_validators(watcher, run_id)
         # the lie is out, and every peer has joined the vote (the liar's claim counts: it is not a newcomer)
-        _wait_until(lambda: (records := asyncio.run(fetch_progress(watcher, run_id))) and len(records) == 3
+        wait_until(lambda: (records := asyncio.run(fetch_progress(watcher, run_id))) and len(records) == 3
                     and all(r.joined for r in records) and any(r.epoch == 1000 for r in records),
-                    "record claiming epoch 1000")
+                    "record claiming epoch 1000", 60)
         lie_seen = time.time()
     finally:
         watcher.shutdown()

@@ -10,7 +10,6 @@ import asyncio
 import pytest
 import torch
 from hivemind.averaging.load_balancing import load_balance_peers
-from hivemind.dht import DHT
 
 from diloco_peer.averaging_round import FAULT_ENV, RoundAverager
 from diloco_peer.config import AveragingConfig
@@ -133,23 +132,6 @@ def test_the_whole_update_is_refused_if_non_finite_or_huge():
     assert "norm" in refuse_update([t * 11 for t in own], own, 10.0)
     assert refuse_update([t * 11 for t in own], own, 0.0) == ""  # 0 disables the norm check
     assert "non-finite" in refuse_update([t * float("nan") for t in own], own, 0.0)  # never disabled
-
-
-@pytest.fixture
-def dhts():
-    started = []
-
-    def make(count: int) -> list[DHT]:
-        root = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        started.append(root)
-        addrs = [str(a) for a in root.get_visible_maddrs()]
-        for _ in range(count):
-            started.append(DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=addrs))
-        return started[1:]
-
-    yield make
-    for dht in started:
-        dht.shutdown()
 
 
 def _honest_pseudo_gradient(seed: int) -> list[torch.Tensor]:

@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from conftest import wait_until
 from hivemind.dht import DHT
 
 from diloco_peer import state_sync
@@ -214,14 +215,6 @@ def test_needs_sync_says_why(peers):
     assert "differ from the swarm's (held by 2 peers)" in me.sync.needs_sync(Target(0, "h", ["x", "y"]))
 
 
-def _wait_until(condition, what, timeout=90.0):
-    deadline = time.monotonic() + timeout
-    while not (found := condition()):
-        assert time.monotonic() < deadline, f"no {what} within {timeout:g}s"
-        time.sleep(0.2)
-    return found
-
-
 @pytest.mark.slow
 def test_a_newcomer_rejects_a_corrupt_donor_and_syncs_from_an_honest_one(local_swarm, monkeypatch):
     """Two peers train together; one serves corrupt weights (finite, plausible, not matching its hash)."""
@@ -236,7 +229,7 @@ def test_a_newcomer_rejects_a_corrupt_donor_and_syncs_from_an_honest_one(local_s
     def serves(name):
         return [e for e in local_swarm.events(name) if e["event"] == "serve"]
 
-    ids = {name: _wait_until(lambda: peer_id(name), f"{name} start") for name in ("honest", "corrupt")}
+    ids = {name: wait_until(lambda: peer_id(name), f"{name} start") for name in ("honest", "corrupt")}
     rejected = f"donor {ids['corrupt'][-8:]} rejected: the weights it sent do not match the hash it published"
 
     # 1. a newcomer in this process, where the donor order can be fixed: the corrupt donor is tried first
@@ -252,7 +245,7 @@ def test_a_newcomer_rejects_a_corrupt_donor_and_syncs_from_an_honest_one(local_s
         monkeypatch.setattr(state_sync.random, "shuffle", lambda donors: donors.sort(key=lambda d: d != ids["corrupt"]))
         results = []
         while len(results) < 3:  # if the swarm steps while we download, the honest state moves on: take the next
-            target = _wait_until(target_held_by_both, "state held by both peers")
+            target = wait_until(target_held_by_both, "state held by both peers")
             results.append(result := asyncio.run(newcomer.sync.sync(target)))
             if result.ok or "expected the swarm's" not in result.error:
                 break
@@ -265,7 +258,7 @@ def test_a_newcomer_rejects_a_corrupt_donor_and_syncs_from_an_honest_one(local_s
 
     # 2. a real newcomer, donors in random order: whichever it tried first, it ends on the honest peer's state
     local_swarm.start_peer("new", *sets)
-    synced = _wait_until(lambda: [e for e in local_swarm.events("new") if e["event"] == "sync" and e["ok"]],
+    synced = wait_until(lambda: [e for e in local_swarm.events("new") if e["event"] == "sync" and e["ok"]],
                          "successful sync")[0]
     assert synced["donor"] == ids["honest"], synced
     syncs = [e for e in local_swarm.events("new") if e["event"] == "sync"]
