@@ -130,8 +130,10 @@ def test_failed_round_falls_back_to_a_solo_step(local_swarm):
     try:
         ghost = SwarmProgress(ghost_dht, "diloco-tiny", "ghost", heartbeat=60)  # its record outlives the test
         asyncio.run(ghost.publish(epoch=0, ready=True))
+        # after the failed round the peer waits for the others to end it (ready_timeout + 3 heartbeats): the
+        # ghost never does, so a short ready_timeout keeps that bounded wait short (it is ready: no gate wait)
         peer = local_swarm.start_peer("real", "averaging.min_peers=2", "run.max_rounds=2", "outer.inner_steps=3",
-                                      "data.shard=0")
+                                      "averaging.ready_timeout=2.0", "data.shard=0")
         assert peer.wait(timeout=180) == 0, (local_swarm.workdir / "real.log").read_text()
     finally:
         ghost_dht.shutdown()
