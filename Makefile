@@ -31,8 +31,10 @@ bench: install
 	$(PY) bench/report.py
 
 # Debian tools the tests use: prometheus (+ promtool) scrapes a test swarm and lints the metrics,
-# docker-compose validates docker-compose.yml. Installed when missing (needs root and Debian's registry).
-DEBIAN_TEST_TOOLS := prometheus:prometheus promtool:prometheus docker-compose:docker-compose
+# docker-compose validates docker-compose.yml, iptables + iproute2 emulate home routers (NAT).
+# Installed when missing (needs root and Debian's registry).
+DEBIAN_TEST_TOOLS := prometheus:prometheus promtool:prometheus docker-compose:docker-compose iptables:iptables \
+	ip:iproute2 tc:iproute2
 test-deps:
 	@missing=""; for pair in $(DEBIAN_TEST_TOOLS); do command -v $${pair%%:*} >/dev/null 2>&1 || \
 		missing="$$missing $${pair##*:}"; done; \

@@ -21,9 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from netbed import SlowNetwork, available  # noqa: E402
 from results import figure, save  # noqa: E402
 from swarm_bench import raw_tcp_bytes_per_second, run_swarm  # noqa: E402
+
+from diloco_peer.netbed import SlowNetwork, available  # noqa: E402
 
 MODEL = ["model.hidden_size=256", "model.num_layers=4", "model.ffn_hidden_size=1024", "inner.batch_size=2"]
 

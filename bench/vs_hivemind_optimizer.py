@@ -47,8 +47,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from netbed import SlowNetwork, available  # noqa: E402
 from results import figure, save  # noqa: E402
+
+from diloco_peer.netbed import SlowNetwork, available  # noqa: E402
 
 PEERS = 3
 

@@ -31,26 +31,27 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_
 from .compression import deserialize
 from .robust_aggregation import BadContribution, CheckedPartReducer, Limits, check_average
 
-SENT, RECEIVED, FAILED_VALUES, TRANSFER_US = 0, 1, 2, 3
+SENT, RECEIVED, FAILED_VALUES, TRANSFER_US, RELAYED = 0, 1, 2, 3, 4
 
 
 class _CountingStub:
     """Wraps a peer's averaging stub so that the all-reduce messages we exchange with it are counted."""
 
-    def __init__(self, stub, runner: ExactAllReduceRunner):
-        self._stub, self._runner = stub, runner
+    def __init__(self, stub, runner: ExactAllReduceRunner, peer: PeerID):
+        self._stub, self._runner, self._peer = stub, runner, peer
 
     async def rpc_aggregate_part(self, inputs):
-        stream = await self._stub.rpc_aggregate_part(self._runner._count(inputs, SENT))
-        return self._runner._count(stream, RECEIVED)
+        stream = await self._stub.rpc_aggregate_part(self._runner._count(inputs, SENT, self._peer))
+        return self._runner._count(stream, RECEIVED, self._peer)
 
 
 class ExactAllReduceRunner(AllReduceRunner):
     """An AllReduceRunner whose reducers return averages instead of deltas (see the module docstring)."""
 
     def __init__(self, *, traffic: torch.Tensor, limits: Limits, on_offense, crash: bool = False,
-                 truncate: bool = False, **kwargs):
+                 truncate: bool = False, relayed: frozenset[PeerID] = frozenset(), **kwargs):
         super().__init__(**kwargs)
+        self._relayed = relayed  # members we reach over a relay: their bytes also count as RELAYED
         self._crash, self._truncate = crash, truncate
         self._limits, self._on_offense = limits, on_offense
         own = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
@@ -75,9 +76,11 @@ class ExactAllReduceRunner(AllReduceRunner):
     def _encode(self, tensor: torch.Tensor):
         return self._compression.compress(tensor, CompressionInfo.from_tensor(tensor))
 
-    async def _count(self, messages, slot: int):
+    async def _count(self, messages, slot: int, peer: PeerID):
         async for message in messages:
             self._traffic[slot] += message.ByteSize()
+            if peer in self._relayed:
+                self._traffic[RELAYED] += message.ByteSize()
             yield message
 
     async def _generate_input_for_peer(self, peer_index: int):
@@ -87,14 +90,16 @@ class ExactAllReduceRunner(AllReduceRunner):
             yield message
 
     def _get_peer_stub(self, peer):
-        return _CountingStub(super()._get_peer_stub(peer), self)
+        return _CountingStub(super()._get_peer_stub(peer), self, peer)
 
     async def rpc_aggregate_part(self, stream, context):
         self._replying += 1
         self._replies_done.clear()
         try:
-            async for message in super().rpc_aggregate_part(self._count(stream, RECEIVED), context):
+            async for message in super().rpc_aggregate_part(self._count(stream, RECEIVED, context.remote_id), context):
                 self._traffic[SENT] += message.ByteSize()
+                if context.remote_id in self._relayed:
+                    self._traffic[RELAYED] += message.ByteSize()
                 yield message
         finally:
             self._replying -= 1

@@ -35,7 +35,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
 from hivemind.utils.streaming import combine_from_streaming
 
 from .admission import Admission
-from .allreduce import FAILED_VALUES, RECEIVED, SENT, TRANSFER_US, ExactAllReduceRunner
+from .allreduce import FAILED_VALUES, RECEIVED, RELAYED, SENT, TRANSFER_US, ExactAllReduceRunner
 from .compression import ErrorFeedback, WireCompression, deserialize, get_codec
 from .config import AveragingConfig
 from .robust_aggregation import BanList, Limits, capped_bandwidths
@@ -80,7 +80,7 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     def __init__(self, averaged_tensors, dht: DHT, *, limits: Limits = Limits(), admission: Admission = Admission(),
                  bans: BanList | None = None, progress_key: str = "", **kwargs):
-        self.traffic = torch.zeros(4, dtype=torch.int64).share_memory_()
+        self.traffic = torch.zeros(5, dtype=torch.int64).share_memory_()
         self.state_provider = None
         self.limits, self.admission, self.progress_key = limits, admission, progress_key
         self.bans = bans if bans is not None else BanList(ban_after=2, ban_seconds=600.0)
@@ -212,12 +212,20 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     def _fair_fractions(self, group_info) -> tuple[int, ...]:
         # hivemind's split of the vector, but from capped declared bandwidths (robust_aggregation.capped_bandwidths)
-        bandwidths, modes = [], []
+        # and members behind a relay reduce nothing when a direct member can: relayed bytes are slow and scarce
+        bandwidths, modes, relayed = [], [], []
         for gathered in group_info.gathered:
-            bandwidth, mode, _ = self.serializer.loads(gathered)
+            bandwidth, mode, user = self.serializer.loads(gathered)
             bandwidths.append(bandwidth)
             modes.append(AveragingMode(mode))
-        capped = capped_bandwidths([b if m != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, modes)])
+            try:
+                relayed.append(self.serializer.loads(user).get("relayed") is True)
+            except Exception:  # not our gather format: _refusal deals with such a member
+                relayed.append(False)
+        reducing = [m != AveragingMode.CLIENT for m in modes]
+        if any(r and not x for r, x in zip(reducing, relayed)):
+            reducing = [r and not x for r, x in zip(reducing, relayed)]
+        capped = capped_bandwidths([b if r else 0.0 for b, r in zip(bandwidths, reducing)])
         return load_balance_peers(self.total_size, capped, self.allreduce_kwargs["min_vector_size"])
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
@@ -234,8 +242,11 @@ class PseudoGradientAverager(DecentralizedAverager):
                 error = AllreduceException(f"refused to average with this group: {why}")
                 self._running_groups[group_id].set_exception(error)  # members waiting for us get an error now
                 raise error
+        relayed = frozenset(info.peer_id for info in await self._p2p.list_peers()
+                            if any("p2p-circuit" in str(addr) for addr in info.addrs))
         runner = ExactAllReduceRunner(
             traffic=self.traffic,
+            relayed=relayed,
             limits=self.limits,
             on_offense=lambda peer_id, problem: self._report(peer_id, problem.kind, problem.detail),
             crash=self._allreduces == self._crash_in_allreduce,
@@ -279,6 +290,8 @@ class RoundResult:
     bytes_received: int = 0
     values_not_averaged: int = 0
     """Values whose reducer failed mid-round: they hold our local value (replicas differ there)."""
+    bytes_relayed: int = 0
+    """Of those, bytes exchanged with members over relayed connections."""
     transfer_seconds: float = 0.0
     """The all-reduce proper, after matchmaking: where the bytes moved (``seconds`` includes matchmaking)."""
     error: str = ""
@@ -294,11 +307,12 @@ class RoundAverager:
     :param run_id: averaging happens under the DHT prefix ``{run_id}_outer``
     :param cfg: the ``[averaging]`` section: timeouts, codec, declared bandwidth, checks and bans
     :param admission: who may average with us (default: everyone)
+    :param relayed: we are reachable only through a relay (the group lets direct members reduce instead)
     """
 
     def __init__(self, dht: DHT, shapes: list[torch.Size], run_id: str, cfg: AveragingConfig,
-                 admission: Admission = Admission()):
-        self.cfg, self.admission = cfg, admission
+                 admission: Admission = Admission(), relayed: bool = False):
+        self.cfg, self.admission, self.relayed = cfg, admission, relayed
         self.peer_id = dht.peer_id.to_base58()
         self.feedback = ErrorFeedback(get_codec(cfg.compression)) if cfg.error_feedback else None
         fault = os.environ.get(FAULT_ENV, "")
@@ -353,7 +367,8 @@ class RoundAverager:
         await asyncio.to_thread(self.averager.set_group_bits, format(epoch, "b"))
         control = self.averager.step(
             weight=float(weight),
-            gather={"epoch": epoch, "tokens": int(weight), "proof": self.admission.proof(self.peer_id)},
+            gather={"epoch": epoch, "tokens": int(weight), "proof": self.admission.proof(self.peer_id),
+                    "relayed": self.relayed},
             # deadline for *finding* a group: after the round gate, peers arrive within a second, so one
             # matchmaking period suffices; three leave room for a retry (the all-reduce has its own timeout)
             timeout=self.cfg.matchmaking_time * 3,
@@ -377,6 +392,7 @@ class RoundAverager:
         delta = (self.averager.traffic - before).tolist()
         return RoundResult(
             ok=ok, seconds=time.perf_counter() - started, bytes_sent=delta[SENT], bytes_received=delta[RECEIVED],
+            bytes_relayed=delta[RELAYED],
             values_not_averaged=delta[FAILED_VALUES], transfer_seconds=delta[TRANSFER_US] / 1e6,
             offenses=self.offenses(), **kwargs,
         )

@@ -146,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="file with the swarm secret of a closed swarm; sets swarm.secret_file")
     join.add_argument("--name", type=_name, default=None,
                       help="name in logs and of the event file (default: from the peer id)")
+    join.add_argument("--listen", action="append", default=None, metavar="MULTIADDR",
+                      help="listen address, e.g. /ip4/0.0.0.0/tcp/40001 (repeatable); sets swarm.host_maddrs")
+    join.add_argument("--announce", action="append", default=None, metavar="MULTIADDR",
+                      help="address others should dial, e.g. your router's /ip4/203.0.113.7/tcp/40001 with that "
+                           "port forwarded here (repeatable); sets swarm.announce_maddrs")
+    join.add_argument("--reachability", choices=["auto", "direct", "relayed", "outbound-only"], default=None,
+                      help="how others reach this peer (default auto: a bootstrap dials us back to find out)")
+    join.add_argument("--relay", action="store_true",
+                      help="when directly reachable, relay for peers behind NAT; sets swarm.relay_service")
 
     demo = sub.add_parser("demo", help="run a local swarm (bootstrap + N peers as subprocesses) and summarise it")
     _add_config_args(demo)
@@ -215,9 +224,9 @@ def _check_peer(cfg) -> None:
     from .data import DataError
     from .swarm import check_identity, parse_multiaddr
 
-    for key in ("host_maddrs", "announce_maddrs"):
+    for key in ("host_maddrs", "announce_maddrs", "relays"):
         for addr in getattr(cfg.swarm, key):
-            parse_multiaddr(addr, need_peer_id=False, what=f"swarm.{key} address")
+            parse_multiaddr(addr, need_peer_id=key == "relays", what=f"swarm.{key} address")
     if cfg.swarm.identity_path:
         check_identity(cfg.swarm.identity_path)
     _check_can_create(cfg.run.log_dir, "run.log_dir", directory=True)
@@ -315,6 +324,13 @@ def _run(args: argparse.Namespace) -> int:
             overrides.append(f"swarm.identity_path={json.dumps(args.identity)}")
         if args.secret_file is not None:
             overrides.append(f"swarm.secret_file={json.dumps(args.secret_file)}")
+        for flag, key in (("listen", "host_maddrs"), ("announce", "announce_maddrs")):
+            if getattr(args, flag) is not None:
+                overrides.append(f"swarm.{key}={json.dumps(getattr(args, flag))}")
+        if args.reachability is not None:
+            overrides.append(f"swarm.reachability={json.dumps(args.reachability)}")
+        if args.relay:
+            overrides.append("swarm.relay_service=true")
         cfg = load_config(args.config, overrides)
         load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
         _check_peer(cfg)

@@ -231,6 +231,15 @@ class SwarmConfig(_Section):
     secret can talk to this peer's DHT and average with it (see admission.py). Empty: an open swarm."""
     allowlist: list[str] = []
     """Peer ids allowed to average with us and download our state; empty: anyone (with the secret, if set)."""
+    reachability: Literal["auto", "direct", "relayed", "outbound-only"] = "auto"
+    """How others reach this peer (see reachability.py). auto: a bootstrap dials us back at start-up; if it
+    cannot, we reserve a slot with a relay; if no relay takes us, we run outbound-only (client mode)."""
+    relays: list[str] = []
+    """Relays (multiaddrs with /p2p/<id>) a NAT'd peer reserves slots with; empty: the bootstrap nodes."""
+    relay_service: bool = False
+    """When directly reachable, relay for the NAT'd peers that list us in their ``relays`` (as bootstraps do)."""
+    reachability_check: float = Field(30.0, gt=0)
+    """Seconds between checks that our relays still carry us (relayed peers; a lost relay is logged)."""
     startup_timeout: float = Field(30.0, gt=0)
     join_timeout: float = Field(300.0, ge=0)
     """If no bootstrap is reachable at start, keep retrying (backoff 2 s doubling to 60 s) for this many

@@ -47,6 +47,7 @@ from .model import build_model, num_parameters
 from .outer_optimizer import OuterOptimizer
 from .overlapped_round import OverlappedRounds
 from .progress import SwarmProgress
+from .reachability import DIRECT, RELAYED, Reach, ReachabilityWatch
 from .reaper import Reaper, exit_with_children
 from .robust_aggregation import refuse_update
 from .state_sync import StateSync, swarm_target
@@ -137,15 +138,20 @@ class PeerDaemon:
 
     async def _run(self, reaper: Reaper) -> int:
         cfg = self.cfg
-        dht = await join_swarm(cfg.swarm, self.initial_peers, should_stop=lambda: self.stopping)
-        if dht is None:
+        joined = await join_swarm(cfg.swarm, self.initial_peers, should_stop=lambda: self.stopping)
+        if joined is None:
             return 0  # asked to leave while still waiting for a bootstrap
+        dht, reach = joined
+        (logger.info if reach.mode == DIRECT else logger.warning)(reach.line())
         self._watch_children(reaper)
         averager = progress = checkpoints = events = None
+        watch = ReachabilityWatch(reach, list(cfg.swarm.relays) or self.initial_peers, cfg.swarm.reachability_check,
+                                  on_change=self._on_reachability)
         try:
             peer_id = dht.peer_id.to_base58()
             self.name = self.name or f"peer-{peer_id[-8:]}"
             events = self.events = EventLog(Path(cfg.run.log_dir) / f"{self.name}.jsonl", self.metrics.observe)
+            self._on_reachability(reach)
             shard = cfg.data.shard if cfg.data.shard >= 0 else shard_for_peer(peer_id, cfg.data.num_shards)
             corpus = await self.compute(Corpus, cfg.data, shard, cfg.model.vocab_size)
             model = await self.compute(build_model, cfg.model, cfg.run.seed)
@@ -162,7 +168,8 @@ class PeerDaemon:
                 checkpoints = manager
             admission = load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
             averager = self.averager = RoundAverager(dht, [p.shape for p in outer.params], cfg.run.run_id,
-                                                     cfg.averaging, admission)
+                                                     cfg.averaging, admission, relayed=reach.mode == RELAYED)
+            await watch.start(dht, serve=cfg.swarm.relay_service)
             self._watch_children(reaper)
             sync = self.sync = StateSync(averager.averager, outer, cfg.fingerprint(), cfg.outer.inner_steps,
                                          cfg.averaging, on_serve=lambda epoch, size: events.write(
@@ -210,12 +217,20 @@ class PeerDaemon:
                 except TimeoutError:
                     logger.warning(f"could not withdraw our progress record within {WITHDRAW_TIMEOUT:g}s; "
                                    f"it expires by itself within {3 * cfg.averaging.heartbeat:g}s")
+            await watch.close()
             if averager is not None:
                 await asyncio.to_thread(averager.shutdown)
             await asyncio.to_thread(dht.shutdown)
             logger.info(f"left the swarm in {time.monotonic() - leaving:.1f}s")
             if events is not None:
                 events.close()
+
+    def _on_reachability(self, reach: Reach) -> None:
+        if self.events is not None:
+            self.events.write("reachability", peer=self.name, mode=reach.mode, detail=reach.detail,
+                              relays=len(reach.relays))
+        if self.averager is not None:
+            self.averager.relayed = reach.mode == RELAYED
 
     def _on_checkpoint(self, path: Path, seconds: float, size: int) -> None:
         self.events.write("checkpoint", peer=self.name, epoch=int(path.stem.split("-")[1]), path=str(path),
@@ -370,6 +385,7 @@ class PeerDaemon:
             "alive_peers": decision.alive, "wait_seconds": decision.waited, "allreduce_seconds": result.seconds,
             "transfer_seconds": result.transfer_seconds,
             "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received,
+            "bytes_relayed": result.bytes_relayed,
             "values_not_averaged": result.values_not_averaged, "error": result.error, **inner,
             "eval_loss": eval_loss, "inner_lr": trainer.current_lr(), "outer_lr": cfg.outer.lr,
             "inner_step": trainer.step, "param_sha256": self.sync.state_hash,

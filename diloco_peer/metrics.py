@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from . import __version__
 from .config import ConfigError, MetricsConfig
+from .reachability import MODES
 from .robust_aggregation import OFFENSE_KINDS
 
 if TYPE_CHECKING:
@@ -85,6 +86,11 @@ class PeerMetrics:
                                 "malformed, shape, non_finite, weight, norm, direction, unadmitted, state",
                                 ["kind"], registry=r)
         self.bans = Counter("diloco_peer_bans", "Peers banned for repeated offenses", registry=r)
+        self.reachability = Gauge("diloco_reachability", "1 for how other peers reach this one now: direct, relayed "
+                                  "(through a relay), outbound-only (not at all; client mode)", ["mode"], registry=r)
+        self.relays = Gauge("diloco_relays_held", "Relays that carry this peer now (relayed mode)", registry=r)
+        self.relayed = Counter("diloco_relayed_bytes", "All-reduce payload bytes exchanged with peers over relayed "
+                               "connections (sent + received)", registry=r)
         self.status = {"status": "joining", "epoch": 0, "last_outer_step": None}
         """What ``/healthz`` reports; "training" between the ``start`` and ``stop`` events."""
         self.name, self.state, self.tokens_per_second = "", "joining", 0.0
@@ -100,6 +106,7 @@ class PeerMetrics:
             self.syncs.labels(result)
         for kind in OFFENSE_KINDS:
             self.rejected.labels(kind)
+        self.reach = "unknown"
 
     def observe(self, event: dict) -> None:
         """Update the metrics from one event-log entry (unknown events are ignored)."""
@@ -109,8 +116,15 @@ class PeerMetrics:
 
     def swarm_stats(self) -> dict:
         """The ``PeerStats`` fields the progress record carries to the swarm monitor."""
-        return {"name": self.name, "state": self.state, "tokens_per_second": float(self.tokens_per_second),
+        return {"name": self.name, "state": self.state, "reach": self.reach,
+                "tokens_per_second": float(self.tokens_per_second),
                 **self._last, **{f"rounds_{outcome}": n for outcome, n in self._rounds.items()}}
+
+    def _on_reachability(self, e: dict) -> None:
+        for mode in MODES:
+            self.reachability.labels(mode).set(1 if mode == e["mode"] else 0)
+        self.relays.set(e["relays"])
+        self.reach = e["mode"]
 
     def _on_start(self, e: dict) -> None:
         self.peer.info({"peer_id": e["peer_id"], "name": e["peer"], "fingerprint": e["fingerprint"]})
@@ -146,6 +160,7 @@ class PeerMetrics:
         self.not_averaged.inc(e["values_not_averaged"])
         self.sent.labels("pseudo_gradient").inc(e["bytes_sent"])
         self.received.labels("pseudo_gradient").inc(e["bytes_received"])
+        self.relayed.inc(e.get("bytes_relayed", 0))
         if "overlap_wait_seconds" in e:
             # overlapped rounds: the gate and the all-reduce ran while the next round trained; training only
             # stood still while the round's end waited for that average

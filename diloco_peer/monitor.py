@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Info, generate_
 
 from . import __version__
 from .progress import ProgressRecord, quorum_epoch
+from .reachability import MODES
 from .state_sync import swarm_target
 
 STATES = ("joining", "training", "waiting", "averaging", "leaving")
@@ -60,6 +61,7 @@ def summarize(records: list[ProgressRecord], now: float | None = None) -> SwarmS
         s = r.stats
         summary.rows.append({
             "name": s.name if s else "", "peer_id": r.peer_id, "state": state, "epoch": r.epoch,
+            "reach": s.reach if s else "unknown",
             "tokens_per_second": s.tokens_per_second if s else 0.0, "train_loss": s.train_loss if s else None,
             "eval_loss": s.eval_loss if s else None, "rounds_averaged": s.rounds_averaged if s else 0,
             "rounds_solo": s.rounds_solo if s else 0, "rounds_failed": s.rounds_failed if s else 0,
@@ -93,6 +95,8 @@ class SwarmMonitor:
                              registry=r)
         for state in STATES:
             self.by_state.labels(state)
+        self.by_reach = Gauge("diloco_swarm_peers_by_reachability", "Live peers by how others reach them: direct, "
+                              "relayed, outbound-only, unknown (older peers)", ["mode"], registry=r)
         self.status = {"status": "serving", "epoch": 0, "peers": 0}
         """What ``/healthz`` reports (see ``metrics.MetricsServer``)."""
         self._known: set[str] | None = None
@@ -102,6 +106,8 @@ class SwarmMonitor:
         self.peers.set(summary.peers)
         for state, n in summary.by_state.items():
             self.by_state.labels(state).set(n)
+        for mode in (*MODES, "unknown"):
+            self.by_reach.labels(mode).set(sum(row["reach"] == mode for row in summary.rows))
         self.epoch.set(summary.epoch)
         self.tokens.set(summary.tokens)
         self.tps.set(summary.tokens_per_second)
@@ -130,11 +136,12 @@ def format_status(summary: SwarmSummary, run_id: str) -> str:
     lines = [f"run '{run_id}': {summary.peers} peers ({states or 'none'}), epoch {summary.epoch}, "
              f"{summary.tokens_per_second:,.0f} tok/s, mean eval loss {_fmt(summary.eval_loss, '.4f')}"]
     if summary.rows:
-        lines.append(f"{'peer':<16} {'id':<10} {'state':<10} {'epoch':>6} {'tok/s':>9} {'train':>7} {'eval':>7} "
-                     f"{'avg/solo/fail':>13} {'seen':>6}")
+        lines.append(f"{'peer':<16} {'id':<10} {'state':<10} {'reach':<13} {'epoch':>6} {'tok/s':>9} {'train':>7} "
+                     f"{'eval':>7} {'avg/solo/fail':>13} {'seen':>6}")
         for row in summary.rows:
             rounds = f"{row['rounds_averaged']}/{row['rounds_solo']}/{row['rounds_failed']}"
-            lines.append(f"{row['name'][:16]:<16} {row['peer_id'][-8:]:<10} {row['state']:<10} {row['epoch']:>6} "
+            lines.append(f"{row['name'][:16]:<16} {row['peer_id'][-8:]:<10} {row['state']:<10} {row['reach']:<13} "
+                         f"{row['epoch']:>6} "
                          f"{row['tokens_per_second']:>9,.0f} {_fmt(row['train_loss'], '7.3f'):>7} "
                          f"{_fmt(row['eval_loss'], '7.3f'):>7} {rounds:>13} {row['seen_seconds_ago']:>5.0f}s")
     return "\n".join(lines)

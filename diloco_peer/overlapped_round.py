@@ -123,6 +123,7 @@ class OverlappedRounds:
             "transfer_seconds": result.transfer_seconds,
             "overlap_wait_seconds": wait_seconds,
             "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received,
+            "bytes_relayed": result.bytes_relayed,
             "values_not_averaged": result.values_not_averaged, "error": result.error, **inner,
             "eval_loss": eval_loss, "inner_lr": peer.trainer.current_lr(), "outer_lr": cfg.outer.lr,
             "inner_step": peer.trainer.step, "param_sha256": peer.sync.state_hash,

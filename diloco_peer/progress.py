@@ -64,6 +64,7 @@ class PeerStats(BaseModel):
 
     name: constr(max_length=64, strict=True)
     state: constr(regex=r"^(joining|training|averaging|leaving)$", strict=True)
+    reach: constr(regex=r"^(direct|relayed|outbound-only|unknown)$", strict=True) = "unknown"
     tokens_per_second: confloat(ge=0, le=1e12, strict=True)
     train_loss: confloat(ge=0, le=1e6, strict=True) | None
     eval_loss: confloat(ge=0, le=1e6, strict=True) | None

@@ -179,6 +179,10 @@ class StateSync:
                 try:
                     metadata, tensors, received = await asyncio.to_thread(
                         self.averager.download_state_from, donor, self.cfg.sync_timeout)
+                    if len(tensors) < 2 * len(self.outer.params):  # a reset stream (e.g. a relay's limit) ends
+                        # like a complete one, between two tensors: a network fault, not the donor's offense
+                        raise RuntimeError(f"the state download broke off after {len(tensors)} of "
+                                           f"{2 * len(self.outer.params)} tensors")
                 except Exception as e:
                     result.error = f"donor {donor[-8:]}: {e}"
                     result.donor_errors.append(result.error)

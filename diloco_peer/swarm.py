@@ -18,8 +18,10 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
+from . import reachability
 from .admission import load_admission
 from .config import SwarmConfig
+from .reachability import DIRECT, OUTBOUND, RELAYED, Reach
 
 logger = logging.getLogger(__name__)
 
@@ -100,26 +102,39 @@ def check_identity(path: str) -> None:
                          f"'diloco-peer keygen' wrote, or a new path to create one") from None
 
 
-def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool = False) -> DHT:
-    """Start this node's DHT; with ``initial_peers``, fail with a clear message if none is reachable."""
-    for addr in initial_peers:
-        parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
+def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool = False,
+              relay_service: bool = False, relays: list[str] = ()) -> DHT:
+    """Start this node's DHT; with ``initial_peers``, fail with a clear message if none is reachable.
+
+    :param relay_service: serve as a circuit relay for NAT'd peers (bootstrap nodes; public peers that opt in):
+      go-libp2p starts its relay service once it believes it is publicly reachable, so that is forced. (Off
+      has no switch: hivemind 1.1.12's p2pd relayed circuits in the test bed even with -relay=0 and
+      -relayService=0. A node relays for the NAT'd peers that list it: ``swarm.relays``, or the bootstraps.)
+    :param relays: reserve a slot with these relays and announce circuit addresses through them (a NAT'd
+      peer); the relays are static (no discovery: it would wait minutes for more candidates)
+    """
+    for addr in [*initial_peers, *relays]:
+        parse_multiaddr(addr, need_peer_id=True, what="bootstrap/relay address")
     for addr in [*cfg.host_maddrs, *cfg.announce_maddrs]:
         parse_multiaddr(addr, need_peer_id=False, what="listen/announce address")
     admission = load_admission(cfg.secret_file, cfg.allowlist)
+    announce = [f"{r}/p2p-circuit" for r in relays] or list(cfg.announce_maddrs)
+    nat = dict(use_auto_relay=True, trusted_relays=list(relays), force_reachability="private") if relays else {}
     try:
-        return DHT(
-            start=True,
-            initial_peers=list(initial_peers),
-            host_maddrs=list(cfg.host_maddrs),
-            announce_maddrs=list(cfg.announce_maddrs) or None,
-            identity_path=cfg.identity_path or None,
-            client_mode=client_mode,
-            startup_timeout=cfg.startup_timeout,
-            authorizer=admission.authorizer(),  # a closed swarm: every DHT message signed with its secret
-            # the DHT process is stopped by our shutdown, not by a parent-death heuristic
-            await_ready=True,
-        )
+        with reachability.p2pd_flags(**({"relayDiscovery": "0"} if relays else {})):
+            return DHT(
+                start=True,
+                initial_peers=list(initial_peers),
+                host_maddrs=list(cfg.host_maddrs),
+                announce_maddrs=announce or None,
+                identity_path=cfg.identity_path or None,
+                client_mode=client_mode,
+                startup_timeout=cfg.startup_timeout,
+                authorizer=admission.authorizer(),  # a closed swarm: every DHT message signed with its secret
+                **({"force_reachability": "public"} if relay_service else nat),
+                # the DHT process is stopped by our shutdown, not by a parent-death heuristic
+                await_ready=True,
+            )
     except Exception as e:
         message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         if initial_peers and "bootstrap" in message:
@@ -137,13 +152,52 @@ def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool =
         raise SwarmError(f"could not start the DHT node: {message}") from None
 
 
-async def join_swarm(cfg: SwarmConfig, initial_peers: list[str], should_stop=lambda: False) -> DHT | None:
-    """Start the DHT; while no bootstrap is reachable, retry with backoff (2 s doubling to 60 s) for up to
-    ``cfg.join_timeout`` seconds. Returns None if ``should_stop()`` turns true while waiting."""
+async def start_reachable_dht(cfg: SwarmConfig, initial_peers: list[str]) -> tuple[DHT, Reach]:
+    """Start the DHT the way others can reach us (see reachability.py): directly, through relays, or not at all
+    (client mode). ``swarm.reachability`` = auto finds out with a dial-back from a bootstrap first."""
+    cfg = cfg.model_copy(update={"host_maddrs": reachability.free_port_addrs(cfg.host_maddrs)})
+    mode, detail = cfg.reachability, f"set by swarm.reachability={cfg.reachability}"
+    if mode == "auto" and initial_peers:
+        try:
+            direct, detail = await reachability.probe_direct(cfg.host_maddrs, cfg.announce_maddrs, initial_peers)
+        except Exception as e:  # e.g. the port is taken: start_dht says so in its own words
+            direct, detail = None, f"could not run the dial-back probe ({str(e).strip()[:200]})"
+        mode = RELAYED if direct is False else DIRECT
+    elif mode == "auto":
+        mode, detail = DIRECT, "the first node of a swarm (no bootstrap to dial us back)"
+    port = next((a.split("/tcp/")[1].split("/")[0] for a in cfg.host_maddrs if "/tcp/" in a), "<port>")
+    forward = (f"forward TCP port {port} on your router to this machine and set "
+               f"swarm.announce_maddrs=[\"/ip4/<your public IP>/tcp/{port}\"] (or --announce)")
+    if mode == DIRECT:
+        dht = await asyncio.to_thread(start_dht, cfg, initial_peers, relay_service=cfg.relay_service)
+        return dht, Reach(DIRECT, detail)
+    relays = list(cfg.relays) or list(initial_peers)
+    if mode == RELAYED and relays:
+        dht = await asyncio.to_thread(start_dht, cfg, initial_peers, relays=relays)
+        try:
+            held = await reachability.check_relays(await dht.replicate_p2p(), relays, wait=reachability.RELAY_WAIT)
+        except BaseException:
+            await asyncio.to_thread(dht.shutdown)
+            raise
+        if held:
+            return dht, Reach(RELAYED, f"{detail}; reachable through {len(held)} relay(s): "
+                              + ", ".join(r.split("/")[-1][-8:] for r in held),
+                              f"Relayed traffic is slower: for direct connections {forward}", held)
+        await asyncio.to_thread(dht.shutdown)
+        detail += f"; no relay of {len(relays)} dialed us through its circuit within {reachability.RELAY_WAIT:g}s"
+    dht = await asyncio.to_thread(start_dht, cfg, initial_peers, client_mode=True)
+    return dht, Reach(OUTBOUND, detail, f"This peer averages only with reachable peers and never leads a group: "
+                      f"{forward}, or check swarm.relays")
+
+
+async def join_swarm(cfg: SwarmConfig, initial_peers: list[str], should_stop=lambda: False
+                     ) -> tuple[DHT, Reach] | None:
+    """Start the DHT (``start_reachable_dht``); while no bootstrap is reachable, retry with backoff (2 s doubling
+    to 60 s) for up to ``cfg.join_timeout`` seconds. Returns None if ``should_stop()`` turns true while waiting."""
     started, delay = time.monotonic(), 2.0
     while True:
         try:
-            return await asyncio.to_thread(start_dht, cfg, initial_peers)
+            return await start_reachable_dht(cfg, initial_peers)
         except BootstrapUnreachable as e:
             left = cfg.join_timeout - (time.monotonic() - started)
             if left <= 0:

@@ -71,8 +71,9 @@ class LocalSwarm:
         self.procs: list[subprocess.Popen] = []
         self.address = ""
 
-    def spawn(self, args: list[str], log_name: str, env: dict | None = None) -> subprocess.Popen:
-        return self.spawn_external(diloco_cmd(*args), log_name, env)
+    def spawn(self, args: list[str], log_name: str, env: dict | None = None, netns: str = "") -> subprocess.Popen:
+        """``diloco-peer args`` (inside network namespace ``netns``, if given: see test_nat.py)."""
+        return self.spawn_external((["ip", "netns", "exec", netns] if netns else []) + diloco_cmd(*args), log_name, env)
 
     def spawn_external(self, cmd: list[str], log_name: str, env: dict | None = None) -> subprocess.Popen:
         """Any program (e.g. a real Prometheus), reaped with the swarm."""
@@ -82,17 +83,19 @@ class LocalSwarm:
         self.procs.append(proc)
         return proc
 
-    def start_bootstrap(self, *extra: str) -> str:
-        proc = self.spawn(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--report-every", "2", *extra],
-                          "bootstrap.log")
-        self.address = wait_for_line(self.workdir / "bootstrap.log", "diloco-peer join ", proc).split()[2]
-        return self.address
+    def start_bootstrap(self, *extra: str, listen: str = "/ip4/127.0.0.1/tcp/0", netns: str = "",
+                        log_name: str = "bootstrap.log") -> str:
+        proc = self.spawn(["bootstrap", "--listen", listen, "--report-every", "2", *extra], log_name, netns=netns)
+        address = wait_for_line(self.workdir / log_name, "diloco-peer join ", proc).split()[2]
+        self.address = self.address or address
+        return address
 
-    def start_peer(self, name: str, *sets: str, env: dict | None = None) -> subprocess.Popen:
-        cmd = ["join", self.address, "--name", name]
+    def start_peer(self, name: str, *sets: str, env: dict | None = None, netns: str = "",
+                   bootstraps: list[str] = (), args: list[str] = ()) -> subprocess.Popen:
+        cmd = ["join", *(bootstraps or [self.address]), "--name", name, *args]
         for item in [*FAST, f"run.log_dir={json.dumps(str(self.workdir))}", *sets]:
             cmd += ["--set", item]
-        return self.spawn(cmd, f"{name}.log", env)
+        return self.spawn(cmd, f"{name}.log", env, netns=netns)
 
     def events(self, name: str) -> list[dict]:
         from diloco_peer.events import read_events

@@ -20,7 +20,8 @@ PROGRESS = {"event": "progress", "time": 101.0, "peer": "p0", "epoch": 0, "inner
             "seconds": 0.5, "loss": 4.0, "lr": 1e-3, "tokens": 5120, "tokens_per_second": 10240.0}
 ROUND = {"event": "round", "time": 103.0, "peer": "p0", "round": 1, "epoch": 0, "outcome": "averaged",
          "group_size": 3, "wait_seconds": 0.25, "allreduce_seconds": 1.5, "bytes_sent": 1000, "bytes_received": 3000,
-         "values_not_averaged": 0, "train_loss": 3.9, "eval_loss": 3.5, "inner_lr": 9e-4, "outer_lr": 0.7}
+         "bytes_relayed": 2500, "values_not_averaged": 0, "train_loss": 3.9, "eval_loss": 3.5, "inner_lr": 9e-4,
+         "outer_lr": 0.7}
 
 
 def _value(metrics, metric, /, **labels):
@@ -30,9 +31,10 @@ def _value(metrics, metric, /, **labels):
 def test_events_drive_the_metrics():
     m = PeerMetrics()
     assert _value(m, "diloco_outer_rounds_total", outcome="solo") == 0  # labelled counters exist from the start
-    for event in (START, PROGRESS, PROGRESS, ROUND,
+    for event in ({"event": "reachability", "time": 99.0, "mode": "relayed", "detail": "", "relays": 2},
+                  START, PROGRESS, PROGRESS, ROUND,
                   {**ROUND, "round": 2, "outcome": "solo", "group_size": 1, "allreduce_seconds": 0.0, "bytes_sent": 0,
-                   "bytes_received": 0, "time": 110.0},
+                   "bytes_relayed": 0, "bytes_received": 0, "time": 110.0},
                   {"event": "sync", "time": 111.0, "ok": True, "epoch": 5, "seconds": 0.4, "bytes": 2_000_000},
                   {"event": "sync", "time": 112.0, "ok": False, "epoch": 5, "seconds": 5.0, "bytes": 0},
                   {"event": "serve", "time": 113.0, "epoch": 5, "bytes": 2_500_000},
@@ -62,7 +64,12 @@ def test_events_drive_the_metrics():
     assert _value(m, "diloco_last_outer_step_timestamp_seconds") == 110.0
     assert _value(m, "diloco_peer_info", peer_id="12D3KooWtest", name="p0", fingerprint="abc") == 1
     assert m.status == {"status": "training", "epoch": 5, "last_outer_step": 110.0}
-    assert m.swarm_stats() == {"name": "p0", "state": "training", "tokens_per_second": 10240.0, "train_loss": 3.9,
+    assert _value(m, "diloco_reachability", mode="relayed") == 1 and _value(m, "diloco_relays_held") == 2
+    assert _value(m, "diloco_reachability", mode="direct") == 0
+    assert _value(m, "diloco_reachability", mode="outbound-only") == 0
+    assert _value(m, "diloco_relayed_bytes_total") == 2500
+    assert m.swarm_stats() == {"name": "p0", "state": "training", "reach": "relayed", "tokens_per_second": 10240.0,
+                               "train_loss": 3.9,
                                "eval_loss": 3.5, "rounds_averaged": 1, "rounds_solo": 1, "rounds_failed": 0}
     m.observe({"event": "stop", "time": 120.0})
     assert _value(m, "diloco_peer_up") == 0 and m.status["status"] == "leaving"

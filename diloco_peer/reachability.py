@@ -1,0 +1,374 @@
+"""Reachability: can other peers dial this one directly, only through a relay, or not at all?
+
+Most volunteers sit behind a home router that drops inbound connections. hivemind's libp2p daemon (p2pd,
+go-libp2p 0.32) has the parts for that: circuit relay v2, auto-relay with static relays, client mode. This
+module decides which of them a peer needs, at start-up and then every ``swarm.reachability_check`` seconds:
+
+* ``direct``: a bootstrap dialed us back at our listen (or announced) address. Nothing to do.
+* ``relayed``: the dial-back failed, but a relay (a bootstrap node, or a public peer with
+  ``swarm.relay_service``) holds a slot for us and dialed us through it: others reach us at
+  ``<relay>/p2p-circuit/p2p/<us>``. Traffic through a relay is slower and counted (``bytes_relayed``).
+* ``outbound-only``: neither. The peer runs in client mode: it averages with reachable peers but never
+  leads a group nor reduces a part.
+
+Why our own dial-back and not libp2p's AutoNAT: AutoNAT servers refuse to dial non-public addresses (in a
+LAN or an emulated internet it never decides) and need several servers and ~15 s; the relay service runs
+only on nodes whose reachability is *public*, so bootstraps force it. The dial-back comes from a separate
+p2pd with its own identity (the *prober*): a dial from the node we are already connected to would reuse
+that connection and always succeed. The probe service dials only the IP the request came from, or a
+circuit through itself, so it cannot be used to make a bootstrap dial third parties.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from hivemind.p2p import P2P, PeerID
+from multiaddr import Multiaddr
+
+logger = logging.getLogger(__name__)
+
+DIRECT, RELAYED, OUTBOUND = "direct", "relayed", "outbound-only"
+MODES = (DIRECT, RELAYED, OUTBOUND)
+PROBE_PROTOCOL = "/diloco-peer/probe/1.0.0"
+DIAL_TIMEOUT = 3.0
+"""Seconds the prober waits for one dial: a home router that drops SYNs never answers at all."""
+MAX_CANDIDATES = 3
+RELAY_TEST_PROTOCOL = "/diloco-peer/relay-test/1.0.0"
+RELAY_TEST_BYTES = 1 << 20
+"""A relay must carry this much through one circuit (the bad one resets after 128 KiB; see ``relay_carries``)."""
+RELAY_WAIT = 10.0
+"""Seconds a NAT'd peer waits for its first relay reservation (it takes ~0.1 s when the relay is up)."""
+
+_extra_flags: dict[str, str] = {}
+
+
+def _make_process_args(original):
+    def make(*args, **kwargs):
+        return original(*args, **{**kwargs, **_extra_flags})
+
+    make.diloco_wrapped = True
+    return make
+
+
+@contextlib.contextmanager
+def p2pd_flags(**flags: str) -> Iterator[None]:
+    """p2pd flags that hivemind's ``P2P.create`` does not expose, for the daemons started inside the block.
+
+    hivemind builds the p2pd command line in ``P2P._make_process_args``; a DHT started in the block forks
+    its process (and p2pd) while the flags are set, so it keeps them. Pinned to hivemind 1.1.12 (tested).
+    """
+    if not getattr(P2P._make_process_args, "diloco_wrapped", False):
+        P2P._make_process_args = staticmethod(_make_process_args(P2P._make_process_args))
+    _extra_flags.update(flags)
+    try:
+        yield
+    finally:
+        _extra_flags.clear()
+
+
+def free_port_addrs(host_maddrs: list[str]) -> list[str]:
+    """``host_maddrs`` with TCP port 0 replaced by a free port: the dial-back must probe the port the DHT
+    will listen on, so it is chosen once, before both."""
+    resolved = []
+    for text in host_maddrs:
+        addr = Multiaddr(text)
+        protocols = [p.name for p in addr.protocols()]
+        if "tcp" in protocols and addr.value_for_protocol("tcp") == "0":
+            with socket.socket(socket.AF_INET6 if "ip6" in protocols else socket.AF_INET) as s:
+                s.bind(("", 0))
+                text = text.replace("/tcp/0", f"/tcp/{s.getsockname()[1]}", 1)
+        resolved.append(text)
+    return resolved
+
+
+def _host(addr: Multiaddr) -> str:
+    for proto in ("ip4", "ip6"):
+        with contextlib.suppress(Exception):
+            return addr.value_for_protocol(proto)
+    return ""
+
+
+def _split(address: str) -> tuple[PeerID, Multiaddr]:
+    addr = Multiaddr(address)
+    peer = addr.value_for_protocol("p2p")
+    return PeerID.from_base58(peer), addr.decapsulate(Multiaddr(f"/p2p/{peer}"))
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().replace("\n", " ")
+    return (text or type(error).__name__)[:300]
+
+
+class ProbeService:
+    """Answers dial-back probes (``PROBE_PROTOCOL``); runs on bootstrap nodes and opted-in relays.
+
+    A request is one JSON line: ``{"port": 40001, "addrs": [...]}`` asks "can you dial me at these
+    addresses?" (only those at the IP the request came from, plus that IP with ``port``);
+    ``{"circuit": true}`` asks "can you dial me through your relay?". The answer is one JSON line
+    ``{"observed": <address the request came from>, "results": [{"addr", "ok", "error", "seconds"}]}``.
+    """
+
+    def __init__(self, p2p: P2P, prober: P2P, own_addrs: list[str]):
+        self.p2p, self.prober, self.own_addrs = p2p, prober, own_addrs
+        self._locks: dict[PeerID, asyncio.Lock] = {}  # one dial per peer at a time: each drops its connection
+
+    @classmethod
+    async def start(cls, dht) -> ProbeService:
+        p2p = await dht.replicate_p2p()
+        prober = await P2P.create(no_listen=True, auto_nat=False, nat_port_map=False)
+        own = [str(a).split("/p2p/")[0] for a in await p2p.get_visible_maddrs()]
+        service = cls(p2p, prober, own)
+        await p2p.add_binary_stream_handler(PROBE_PROTOCOL, service._handle)
+        return service
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.p2p.remove_binary_stream_handler(PROBE_PROTOCOL)
+        await self.prober.shutdown()
+
+    async def relay_carries(self, size: int = RELAY_TEST_BYTES, timeout: float = 15.0) -> bool:
+        """Does a circuit through us carry ``size`` bytes? A helper p2pd reserves a slot with us and the prober
+        sends it ``size`` bytes through our relay.
+
+        Why: hivemind 1.1.12's p2pd runs *two* relay services on one hop protocol: one with the configured
+        limits (4 GiB and 30 min per circuit), started once the node is (forced) public, and one that it
+        always starts with go-libp2p's defaults (128 KiB and 2 min per circuit). Whichever registers last
+        serves, so about one start in two relays 128 KiB and then resets every circuit: useless for training.
+        """
+        own = sorted(self.own_addrs, key=lambda a: "/127.0.0.1/" not in a)
+        if not own:
+            return False
+        relay = f"{own[0]}/p2p/{self.p2p.peer_id}"
+        with p2pd_flags(relayDiscovery="0"):
+            target = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_auto_relay=True,
+                                      trusted_relays=[relay], force_reachability="private", auto_nat=False,
+                                      nat_port_map=False)
+        received = asyncio.get_running_loop().create_future()
+
+        async def sink(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            total = 0
+            while chunk := await reader.read(1 << 16):
+                total += len(chunk)
+                if total >= size and not received.done():
+                    received.set_result(total)
+            writer.close()
+
+        try:
+            await target.add_binary_stream_handler(RELAY_TEST_PROTOCOL, sink)
+            circuit = Multiaddr(f"{relay}/p2p-circuit")
+            deadline = time.monotonic() + timeout
+            while True:  # the reservation is made in the background, within ~0.1 s
+                try:
+                    await self.prober._client.connect(target.peer_id, [circuit])
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        return False
+                    await asyncio.sleep(0.2)
+            _, _, writer = await self.prober.call_binary_stream_handler(target.peer_id, RELAY_TEST_PROTOCOL)
+            try:
+                for _ in range(size >> 16):
+                    writer.write(bytes(1 << 16))
+                    await writer.drain()
+                return await asyncio.wait_for(received, max(1.0, deadline - time.monotonic())) >= size
+            except Exception:  # the relay reset the circuit: the 128 KiB one is serving
+                return False
+            finally:
+                writer.close()
+        finally:
+            with contextlib.suppress(Exception):
+                await self.prober._client.disconnect(target.peer_id)
+            await target.shutdown()
+
+    async def _handle(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = json.loads(await asyncio.wait_for(reader.readline(), DIAL_TIMEOUT))
+            if not isinstance(request, dict):
+                raise ValueError("a probe request is a JSON object")
+            reply = await self._probe(info.peer_id, Multiaddr(str(info.addr)), request)
+        except Exception as e:  # a bad request gets an answer, never a crash of the service
+            logger.debug(f"probe request of {info.peer_id} failed: {e!r}")
+            reply = {"error": f"bad probe request: {_one_line(e)}", "results": []}
+        with contextlib.suppress(Exception):
+            writer.write(json.dumps(reply).encode() + b"\n")
+            await writer.drain()
+            writer.close()
+
+    def _candidates(self, observed: Multiaddr, request: dict) -> list[str]:
+        if request.get("circuit"):
+            # through ourselves: our own address (loopback first: the prober runs on this machine)
+            ours = sorted(self.own_addrs, key=lambda a: "/127.0.0.1/" not in a)
+            return [f"{ours[0]}/p2p/{self.p2p.peer_id}/p2p-circuit"] if ours else []
+        host = _host(observed)
+        if not host or "p2p-circuit" in str(observed):
+            return []
+        kind = "ip6" if ":" in host else "ip4"
+        candidates = []
+        for text in list(request.get("addrs", []))[:16]:
+            with contextlib.suppress(Exception):
+                addr = Multiaddr(str(text).split("/p2p/")[0])  # the peer id is the caller's, checked on dial
+                if _host(addr) == host and "p2p-circuit" not in str(addr) and str(addr) not in candidates:
+                    candidates.append(str(addr))
+        port = request.get("port")
+        if isinstance(port, int) and 0 < port < 65536 and f"/{kind}/{host}/tcp/{port}" not in candidates:
+            candidates.append(f"/{kind}/{host}/tcp/{port}")
+        return candidates[:MAX_CANDIDATES]
+
+    async def _probe(self, peer_id: PeerID, observed: Multiaddr, request: dict) -> dict:
+        results = []
+        for addr in self._candidates(observed, request):
+            started = time.monotonic()
+            async with self._locks.setdefault(peer_id, asyncio.Lock()):
+                try:
+                    await asyncio.wait_for(self.prober._client.connect(peer_id, [Multiaddr(addr)]), DIAL_TIMEOUT)
+                    # connected to that very peer (the handshake checks its key), not just to some hop on the way
+                    ok = any(p.peer_id == peer_id for p in await self.prober.list_peers())
+                    error = "" if ok else "the dial reached some other peer"
+                except Exception as e:  # refused, unreachable, timed out, wrong peer id: all mean "no"
+                    ok, error = False, _one_line(e) if str(e).strip() else "timed out"
+                finally:
+                    with contextlib.suppress(Exception):
+                        await self.prober._client.disconnect(peer_id)
+            results.append({"addr": addr, "ok": ok, "error": error, "seconds": round(time.monotonic() - started, 3)})
+        if peer_id in self._locks and not self._locks[peer_id].locked():
+            del self._locks[peer_id]
+        return {"observed": str(observed), "results": results}
+
+
+async def ask_probe(p2p: P2P, server: str, request: dict, timeout: float = 15.0) -> dict:
+    """Send one probe request to the probe service at ``server`` (a multiaddr with /p2p/); its reply."""
+    peer_id, addr = _split(server)
+
+    async def ask() -> dict:
+        with contextlib.suppress(Exception):  # already connected (a DHT's own daemon) is fine
+            await p2p._client.connect(peer_id, [addr])
+        _, reader, writer = await p2p.call_binary_stream_handler(peer_id, PROBE_PROTOCOL)
+        try:
+            writer.write(json.dumps(request).encode() + b"\n")
+            await writer.drain()
+            line = await reader.readline()
+        finally:
+            writer.close()
+        if not line:
+            raise ConnectionError("the node closed the stream without an answer")
+        return json.loads(line)
+
+    return await asyncio.wait_for(ask(), timeout)
+
+
+@dataclass
+class Reach:
+    """What a peer found out about itself: ``mode`` (one of ``MODES``), why, and what the user can do."""
+
+    mode: str
+    detail: str
+    advice: str = ""
+    relays: list[str] = field(default_factory=list)
+    """Relays that dialed us through their circuit (relayed mode)."""
+
+    def line(self) -> str:
+        return f"reachability: {self.mode}: {self.detail}" + (f". {self.advice}" if self.advice else "")
+
+
+async def probe_direct(host_maddrs: list[str], announce_maddrs: list[str], bootstraps: list[str]
+                       ) -> tuple[bool | None, str]:
+    """Can a stranger dial us at the port we will listen on? Asks the bootstraps in turn, from a short-lived
+    p2pd listening on ``host_maddrs``. (True/False, what was seen), or (None, why) if no bootstrap could say."""
+    p2p = await P2P.create(host_maddrs=host_maddrs, announce_maddrs=announce_maddrs or None,
+                           auto_nat=False, nat_port_map=False)
+    try:
+        addrs = [str(a) for a in await p2p.get_visible_maddrs()]
+        port = next((int(Multiaddr(a).value_for_protocol("tcp")) for a in host_maddrs if "/tcp/" in a), 0)
+        problems = []
+        for server in [b for b in bootstraps for _ in range(2)]:  # each bootstrap is asked up to twice
+            try:
+                reply = await ask_probe(p2p, server, {"port": port, "addrs": addrs})
+            except Exception as e:  # down, or a bootstrap without the probe service (older version)
+                problems.append(f"{server[-8:]}: {_one_line(e) if str(e).strip() else 'timed out'}")
+                continue
+            results = reply.get("results", [])
+            good = [r for r in results if r.get("ok")]
+            if good:
+                return True, f"{server.split('/')[-1][-8:]} dialed us back at {good[0]['addr']}"
+            tried = "; ".join(f"{r['addr']}: {r['error'][:120]}" for r in results) or reply.get("error", "")
+            return False, f"dial-back from {server.split('/')[-1][-8:]} failed ({tried or 'nothing to dial'})"
+        return None, "no bootstrap answered the dial-back probe (" + "; ".join(problems) + ")"
+    finally:
+        await p2p.shutdown()
+
+
+async def check_relays(p2p: P2P, relays: list[str], wait: float = 0.0) -> list[str]:
+    """The relays that can dial us through their circuit now; retries for up to ``wait`` seconds until one
+    can (a reservation is made in the background once the daemon starts)."""
+    deadline = time.monotonic() + wait
+    while True:
+        replies = await asyncio.gather(*(ask_probe(p2p, r, {"circuit": True}, timeout=2 * DIAL_TIMEOUT + 2)
+                                         for r in relays), return_exceptions=True)
+        held = [r for r, reply in zip(relays, replies)
+                if isinstance(reply, dict) and any(x.get("ok") for x in reply.get("results", []))]
+        if held or time.monotonic() >= deadline:
+            return held
+        await asyncio.sleep(0.5)
+
+
+class ReachabilityWatch:
+    """What a running peer keeps doing about reachability.
+
+    A relayed peer asks its relays every ``interval`` seconds to dial it through their circuits; each change
+    (a relay lost, one back, none left) is logged in one line and handed to ``on_change`` (the daemon writes a
+    ``reachability`` event: metrics, status). p2pd re-reserves with a relay that comes back by itself. A
+    directly reachable peer with ``relay_service`` answers dial-back probes like a bootstrap node.
+    """
+
+    def __init__(self, reach: Reach, relays: list[str], interval: float, on_change):
+        self.reach, self.relays, self.interval, self.on_change = reach, relays, interval, on_change
+        self._task: asyncio.Task | None = None
+        self._service: ProbeService | None = None
+
+    async def start(self, dht, serve: bool) -> None:
+        if serve and self.reach.mode == DIRECT:
+            self._service = await ProbeService.start(dht)
+            if not await self._service.relay_carries():
+                logger.warning("relay self-test: circuits through this peer break off after 128 KiB (p2pd started "
+                               "its default-limited relay): NAT'd peers cannot train through it; restart this peer")
+        if self.reach.mode == RELAYED:
+            self._task = asyncio.create_task(self._watch(await dht.replicate_p2p()))
+
+    async def _watch(self, p2p: P2P) -> None:
+        held = set(self.reach.relays)
+        while True:
+            await asyncio.sleep(self.interval)
+            now = set(await check_relays(p2p, self.relays))
+            if now == held:
+                continue
+            names = lambda relays: ", ".join(sorted(r.split("/")[-1][-8:] for r in relays))  # noqa: E731
+            changes = "; ".join(text for text in (f"lost relay {names(held - now)}" if held - now else "",
+                                                  f"relay {names(now - held)} carries us" if now - held else "")
+                                if text)
+            if now:
+                self.reach = Reach(RELAYED, f"{changes}; reachable through {len(now)} relay(s): {names(now)}",
+                                   self.reach.advice, sorted(now))
+                logger.warning(self.reach.line())
+            else:
+                self.reach = Reach(OUTBOUND, f"{changes}; no relay carries us now: peers behind NAT cannot reach us "
+                                   f"until a relay of {names(self.relays)} is back (we reserve again by ourselves)",
+                                   "Averaging goes on with the peers we can dial")
+                logger.error(self.reach.line())
+            held = now
+            self.on_change(self.reach)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        if self._service is not None:
+            await self._service.close()

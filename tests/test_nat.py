@@ -1,0 +1,143 @@
+"""Volunteers behind home routers: real peers in an emulated internet (``netbed.EmulatedInternet``).
+
+Every test builds network namespaces: a public network with the bootstrap node(s), and each volunteer in
+its own home behind its own NAT router (iptables MASQUERADE, no inbound connections unless a port is
+forwarded). The peers are real ``diloco-peer`` processes; nothing about the network is mocked. These tests
+need root; they skip (and fail in CI, where they must run) when namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from conftest import wait_until
+
+from diloco_peer import netbed
+
+NAT = ["run.max_rounds=3", "averaging.min_peers=2"]
+DEAD_RELAY = "/ip4/10.78.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # nobody listens there
+
+
+@pytest.fixture
+def internet(request):
+    """``internet(homes, forward=...)``: the emulated internet, removed after the test (also on failure)."""
+    why = netbed.available() or ("" if netbed.shutil.which("iptables") else "iptables is not installed")
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"NAT tests must run in CI: {why}")
+        pytest.skip(why)
+    made = []
+
+    def make(homes: int) -> netbed.EmulatedInternet:
+        net = netbed.EmulatedInternet(homes, tag=f"dt{os.getpid() % 10000}{len(made)}")
+        made.append(net)
+        return net.__enter__()
+
+    try:
+        yield make
+    finally:
+        for net in made:
+            net.close()
+
+
+def rounds(swarm, name: str) -> list[dict]:
+    return [e for e in swarm.events(name) if e["event"] == "round"]
+
+
+def reach(swarm, name: str) -> list[dict]:
+    return [e for e in swarm.events(name) if e["event"] == "reachability"]
+
+
+def boot(swarm, net, port: int = 31337, *extra: str, log_name: str = "bootstrap.log") -> str:
+    return swarm.start_bootstrap(*extra, listen=f"/ip4/{net.public_address}/tcp/{port}", netns=net.public,
+                                 log_name=log_name)
+
+
+def test_three_nat_peers_average_every_round_and_a_late_one_syncs_and_contributes(internet, local_swarm):
+    net = internet(4)
+    boot(local_swarm, net)
+    names = ["home1", "home2", "home3"]
+    sets = ["averaging.min_peers=3", "run.max_rounds=0"]  # train until told to stop
+    for i, name in enumerate(names):
+        local_swarm.start_peer(name, *sets, netns=net.home(i + 1))
+    wait_until(lambda: all(len(rounds(local_swarm, n)) >= 2 for n in names), "two rounds of all three", timeout=150)
+    local_swarm.start_peer("late", *sets, netns=net.home(4))
+    joined = wait_until(lambda: [r for r in rounds(local_swarm, "late") if r["outcome"] == "averaged"],
+                        "a round of the newcomer averaged with the others", timeout=150)[0]
+    wait_until(lambda: all(any(r["round"] == joined["round"] for r in rounds(local_swarm, n)) for n in names),
+               f"round {joined['round']} on the older peers", timeout=60)
+    local_swarm.reap()
+    for name in [*names, "late"]:
+        (found,) = reach(local_swarm, name)
+        assert found["mode"] == "relayed" and found["relays"] == 1, found
+        assert "dial-back" in found["detail"] and "failed" in found["detail"], found  # the router refused
+    for name in names:  # every round averaged all the peers there were, through the relay
+        done = [r for r in rounds(local_swarm, name) if r["round"] <= joined["round"]]
+        assert all(r["outcome"] == "averaged" and r["bytes_relayed"] > 0 for r in done), done
+        assert all(r["group_size"] == (3 if r["round"] < joined["round"] else 4) for r in done), done
+    for i in range(1, joined["round"] + 1):  # the replicas stay identical, round after round
+        assert len({r["param_sha256"] for n in names for r in rounds(local_swarm, n) if r["round"] == i}) == 1
+    assert joined["param_sha256"] == rounds(local_swarm, "home1")[joined["round"] - 1]["param_sha256"]
+    syncs = [e for e in local_swarm.events("late") if e["event"] == "sync"]
+    assert syncs and syncs[0]["ok"] and syncs[0]["epoch"] >= 2, syncs  # downloaded through the relay
+
+
+def test_forwarded_port_is_direct_and_mixes_with_relayed_and_outbound_only_peers(internet, local_swarm):
+    net = internet(3)
+    net.forward(1, 40001)
+    boot(local_swarm, net)
+    sets = [*NAT, "averaging.min_peers=3"]
+    forwarded = local_swarm.start_peer(
+        "forwarded", *sets, netns=net.home(1),
+        args=["--listen", "/ip4/0.0.0.0/tcp/40001", "--announce", f"/ip4/{net.router_address(1)}/tcp/40001"])
+    relayed = local_swarm.start_peer("relayed", *sets, netns=net.home(2))
+    # told to use a relay that is down: it can neither be dialed nor relayed
+    outbound = local_swarm.start_peer("outbound", *sets, f"swarm.relays=[{DEAD_RELAY!r}]".replace("'", '"'),
+                                      netns=net.home(3))
+    for proc in (forwarded, relayed, outbound):
+        assert proc.wait(timeout=240) == 0
+    modes = {n: reach(local_swarm, n)[0] for n in ("forwarded", "relayed", "outbound")}
+    assert modes["forwarded"]["mode"] == "direct", modes
+    assert f"/ip4/{net.router_address(1)}/tcp/40001" in modes["forwarded"]["detail"]
+    assert modes["relayed"]["mode"] == "relayed", modes
+    assert modes["outbound"]["mode"] == "outbound-only", modes
+    for name in ("forwarded", "relayed", "outbound"):
+        done = rounds(local_swarm, name)
+        assert [r["round"] for r in done] == [1, 2, 3]
+        assert all(r["outcome"] == "averaged" and r["group_size"] == 3 for r in done), (name, done)
+    for fwd, rel, out in zip(*(rounds(local_swarm, n) for n in ("forwarded", "relayed", "outbound"))):
+        # the direct peer reduces the whole vector (it receives both others' parts), the relayed one nothing,
+        # so the relay carries only the relayed peer's own part and its average; the outbound-only peer dials
+        # the direct one itself and needs no relay at all
+        assert fwd["bytes_received"] >= 1.9 * rel["bytes_received"], (fwd, rel)
+        assert fwd["bytes_relayed"] <= rel["bytes_sent"] + rel["bytes_received"], (fwd, rel)
+        assert out["bytes_relayed"] == 0, out
+    log = (local_swarm.workdir / "outbound.log").read_text()
+    assert "reachability: outbound-only" in log and "forward TCP port" in log
+
+
+def test_relay_dies_peers_go_on_through_the_other_and_say_so_when_none_is_left(internet, local_swarm):
+    net = internet(3)
+    first = boot(local_swarm, net)
+    second = boot(local_swarm, net, 31338, "--initial-peer", first, log_name="bootstrap2.log")
+    sets = ["averaging.min_peers=2", "run.max_rounds=0", "swarm.reachability_check=5"]
+    names = ["home1", "home2", "home3"]
+    for i, name in enumerate(names):
+        local_swarm.start_peer(name, *sets, netns=net.home(i + 1), bootstraps=[first, second])
+    wait_until(lambda: all(len(rounds(local_swarm, n)) >= 3 for n in names), "three rounds", timeout=150)
+    assert all(reach(local_swarm, n)[0]["relays"] == 2 for n in names)
+    os.killpg(local_swarm.procs[0].pid, signal.SIGKILL)  # the first relay (and bootstrap) vanishes
+    wait_until(lambda: all(len(reach(local_swarm, n)) >= 2 for n in names), "a relay-lost report", timeout=60)
+    for name in names:
+        change = reach(local_swarm, name)[1]
+        assert change["mode"] == "relayed" and change["relays"] == 1 and "lost relay" in change["detail"], change
+    after = len(rounds(local_swarm, "home1"))
+    wait_until(lambda: [r for r in rounds(local_swarm, "home1")[after:] if r["outcome"] == "averaged"],
+               "a round averaged through the remaining relay", timeout=120)
+    os.killpg(local_swarm.procs[1].pid, signal.SIGKILL)  # and the second one
+    wait_until(lambda: all(reach(local_swarm, n)[-1]["mode"] == "outbound-only" for n in names),
+               "a no-relay-left report", timeout=60)
+    log = (local_swarm.workdir / "home1.log").read_text()
+    assert "no relay carries us now" in log
