@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "(an item fires when round R begins averaging)")
     demo.add_argument("--metrics-port-base", type=int, default=0, metavar="P",
                       help="serve the bootstrap's metrics on port P and peer i's on P+1+i (default 0: none)")
+    demo.add_argument("--nat", action="store_true",
+                      help="run each peer behind its own emulated home router (NAT) and the bootstrap on an emulated "
+                           "public network (needs root: network namespaces, iptables)")
     demo.add_argument("--timeout", type=_SECONDS, default=900.0, metavar="SECONDS",
                       help="give up if the swarm has not finished after this long (default 900)")
     plot = sub.add_parser("plot", help="plot loss and throughput from peers' event logs into a PNG")

@@ -6,6 +6,10 @@ It starts one bootstrap node and N peers, each exactly what ``diloco-peer bootst
 talking over loopback. Peers get distinct data shards and leave by themselves after ``--rounds`` outer
 rounds (``run.max_rounds``); the demo follows their event logs for live progress, then stops the
 bootstrap, prints a per-round table, writes ``summary.json`` and ``loss.png`` into ``--out``.
+
+With ``--nat`` (root: network namespaces) the machine becomes an emulated internet (``netbed.py``): the
+bootstrap on a "public" network, each peer in its own home behind its own NAT router, so every peer finds
+out it cannot be dialed and trains through the bootstrap as a relay (``reachability.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from tqdm import tqdm
 from .churn import ChurnAction, due, effects, parse_churn
 from .config import ConfigError, PeerConfig, load_config
 from .events import EventFollower, read_events
+from .netbed import EmulatedInternet, available
 from .report import format_table, plot_losses, summarize
 
 POLL_SECONDS = 0.5
@@ -101,6 +106,14 @@ def check_args(args) -> tuple[PeerConfig, list[ChurnAction]]:
         raise ConfigError(f"--metrics-port-base {args.metrics_port_base} needs ports up to {last_port} "
                           f"(bootstrap + {args.peers + joiners} peers): pick a base from 1024 to "
                           f"{65535 - args.peers - joiners}")
+    if args.nat:
+        why = available() or ("" if shutil.which("iptables") else "iptables (Debian package iptables) is missing")
+        if why:
+            raise ConfigError(f"--nat cannot emulate home routers here: {why}; run the demo as root on Linux "
+                              f"with iproute2 and iptables, or drop --nat")
+        if args.metrics_port_base:
+            raise ConfigError("--nat and --metrics-port-base do not go together: each peer's metrics port would "
+                              "be inside its own network namespace; drop one of them")
     out = Path(args.out)
     # the demo empties --out of its old logs and keys: never a directory that some other program's files are in
     try:
@@ -129,11 +142,21 @@ def run_demo(args) -> int:
     removed: set[str] = set()  # peers the churn schedule killed or stopped
     print(f"demo: 1 bootstrap + {args.peers} peers, {args.rounds} outer rounds of H={cfg.outer.inner_steps} inner "
           f"steps, config {args.config or 'tiny-cpu'}; logs in {out}/", flush=True)
+    net = None
+    if args.nat:  # one home per peer, joiners of the churn schedule included
+        net = EmulatedInternet(args.peers + sum(a.count for a in actions if a.action == "join")).__enter__()
+        print(f"demo: emulated internet: bootstrap on the public network at {net.public_address}, each peer "
+              f"behind its own NAT router (no port forwarding)", flush=True)
+
+    def where(i: int | None, cmd: list[str]) -> list[str]:  # peer i's home (None: the public network)
+        return cmd if net is None else net.command(net.public if i is None else net.home(i + 1), cmd)
+
+    listen = f"/ip4/{net.public_address}/tcp/31337" if net else "/ip4/127.0.0.1/tcp/0"
     with boot_log.open("w") as boot_out:
         bootstrap = subprocess.Popen(
-            _python_cmd("bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--run-id", cfg.run.run_id,
-                        "--report-every", "10",
-                        *(["--metrics-port", str(args.metrics_port_base)] if args.metrics_port_base else [])),
+            where(None, _python_cmd("bootstrap", "--listen", listen, "--run-id", cfg.run.run_id, "--report-every",
+                                    "10", *(["--metrics-port", str(args.metrics_port_base)]
+                                            if args.metrics_port_base else []))),
             stdout=boot_out, stderr=subprocess.STDOUT,
         )
 
@@ -150,7 +173,7 @@ def run_demo(args) -> int:
         for item in sets:
             cmd += ["--set", item]
         with (out / f"{name}.log").open("w") as peer_out:
-            procs[name] = subprocess.Popen(cmd, stdout=peer_out, stderr=subprocess.STDOUT)
+            procs[name] = subprocess.Popen(where(index, cmd), stdout=peer_out, stderr=subprocess.STDOUT)
         logs[name] = out / f"{name}.jsonl"
         followers.append(EventFollower(logs[name]))
 
@@ -219,11 +242,15 @@ def run_demo(args) -> int:
     finally:
         for proc in [*procs.values(), bootstrap]:
             _stop(proc)
+        if net is not None:
+            net.close()
 
     exit_codes = {n: p.returncode for n, p in procs.items()}
     finishers = [n for n in logs if n not in removed]
     summary = summarize(logs, time.monotonic() - started, exit_codes, finishers)
     summary["config"] = args.config or "tiny-cpu"
+    summary["reachability"] = {n: [e["mode"] for e in read_events(p) if e["event"] == "reachability"]
+                               for n, p in logs.items() if p.exists()}
     if actions:
         summary["churn"] = effects(actions, {n: list(read_events(p)) for n, p in logs.items()}, exit_codes)
     summary_path = Path(args.summary_json) if args.summary_json else out / "summary.json"
@@ -233,6 +260,8 @@ def run_demo(args) -> int:
     print(format_table(summary))
     for record in summary.get("churn", []):
         print(f"churn {record['spec']}: {_describe(record)}")
+    print("reachability: " + ", ".join(f"{n} {' -> '.join(modes) or '?'}"
+                                       for n, modes in summary["reachability"].items()))
     print(f"demo: summary in {summary_path}, loss curves in {png}")
     return 0 if summary["rounds_completed"] == args.rounds else 1
 

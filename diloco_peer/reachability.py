@@ -214,8 +214,10 @@ class ProbeService:
         candidates = []
         for text in list(request.get("addrs", []))[:16]:
             with contextlib.suppress(Exception):
+                if "p2p-circuit" in str(text):
+                    continue
                 addr = Multiaddr(str(text).split("/p2p/")[0])  # the peer id is the caller's, checked on dial
-                if _host(addr) == host and "p2p-circuit" not in str(addr) and str(addr) not in candidates:
+                if _host(addr) == host and str(addr) not in candidates:
                     candidates.append(str(addr))
         port = request.get("port")
         if isinstance(port, int) and 0 < port < 65536 and f"/{kind}/{host}/tcp/{port}" not in candidates:
