@@ -33,7 +33,7 @@ from .swarm import SwarmError, join_address, start_dht, visible_addresses
 logger = logging.getLogger("diloco_peer.bootstrap")
 
 MONITOR_REFRESH_SECONDS = 5.0
-RELAY_START_ATTEMPTS = 8  # p(eight bad starts in a row) is about 0.4% with one in two bad
+RELAY_START_ATTEMPTS = 5
 
 
 async def run_bootstrap(
@@ -96,8 +96,9 @@ async def run_bootstrap(
 async def start_relay(cfg: SwarmConfig, initial_peers: list[str], attempts: int = RELAY_START_ATTEMPTS
                       ) -> tuple[DHT, ProbeService]:
     """The DHT node as a relay that NAT'd peers can train through, with the probe service that tells peers how
-    others reach them. p2pd comes up with a relay that resets circuits after 128 KiB about one start in two
-    (``ProbeService.relay_carries``): such a start is thrown away and the node started again."""
+    others reach them. Before it is handed out, the relay must carry 1 MiB through a circuit
+    (``ProbeService.relay_carries``: p2pd also runs go-libp2p's default relay, which resets circuits after
+    128 KiB); a start that fails is thrown away and the node started again."""
     for attempt in range(1, attempts + 1):
         dht = await asyncio.to_thread(start_dht, cfg, initial_peers, relay_service=True)
         try:
@@ -111,9 +112,9 @@ async def start_relay(cfg: SwarmConfig, initial_peers: list[str], attempts: int 
             await asyncio.to_thread(dht.shutdown)
             raise
         await asyncio.to_thread(dht.shutdown)
-        logger.warning(f"relay self-test: circuits through this node broke off after 128 KiB (p2pd started its "
-                       f"default-limited relay); restarting the node ({attempt}/{attempts})")
-    raise SwarmError(f"the relay kept resetting circuits after 128 KiB in {attempts} starts: peers behind NAT "
+        logger.warning(f"relay self-test: 1 MiB did not get through a circuit via this node (twice); restarting "
+                       f"the node ({attempt}/{attempts})")
+    raise SwarmError(f"the relay failed its self-test in {attempts} starts (1 MiB through a circuit): peers behind NAT "
                      f"could not train through it; check the hivemind version (1.1.12 is tested)")
 
 
