@@ -86,6 +86,8 @@ class SyncResult:
     error: str = ""
     donor_errors: list[str] = field(default_factory=list)
     """Why each donor that was tried failed, in order (a later donor may still have succeeded)."""
+    moved_on: bool = False
+    """A donor sent a later epoch than the target: the swarm stepped on while we looked (ask for a new target)."""
 
 
 class StateSync:
@@ -195,6 +197,11 @@ class StateSync:
                     result.error = f"donor {donor[-8:]} rejected: {problem}"
                     result.donor_errors.append(result.error)
                     logger.warning(f"state sync: {result.error}")
+                    later = metadata.get("epoch") if isinstance(metadata, dict) else None
+                    if isinstance(later, int) and target.epoch < later <= target.epoch + 2 \
+                            and problem.startswith("it sent epoch"):
+                        result.moved_on = True  # a donor that trained on while we looked: not an offense
+                        continue
                     # the donor is the peer we dialled (libp2p authenticates it): safe to count towards a ban
                     self.averager.report_offense(donor, "state", problem)
                     continue

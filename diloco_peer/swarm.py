@@ -12,6 +12,7 @@ import ipaddress
 import logging
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 from hivemind.dht import DHT
@@ -150,6 +151,29 @@ def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool =
                 f"process its own --identity file"
             ) from None
         raise SwarmError(f"could not start the DHT node: {message}") from None
+
+
+async def _ping_peers(_dht: DHT, node, peers: list[str]) -> int:
+    answered = 0
+    for text in peers:
+        addr = Multiaddr(text)
+        peer_id = PeerID.from_base58(addr.value_for_protocol("p2p"))
+        try:
+            await node.p2p._client.connect(peer_id, [addr.decapsulate(Multiaddr(f"/p2p/{peer_id}"))])
+            answered += await node.protocol.call_ping(peer_id) is not None
+        except Exception as e:  # down: the others may answer
+            logger.debug(f"initial peer {text} did not answer: {e!r}")
+    if answered:  # as hivemind's own bootstrap does: fill the routing table around our id
+        await node.find_nearest_nodes([node.node_id])
+    return answered
+
+
+def join_dht_peers(dht: DHT, peers: list[str]) -> None:
+    """Join other DHT nodes after the start (what ``initial_peers`` does at the start): a relay must start
+    without bootstrap peers, see ``bootstrap_node.start_relay``."""
+    if peers and not dht.run_coroutine(partial(_ping_peers, peers=list(peers))):
+        raise BootstrapUnreachable(f"none of the initial peers {', '.join(peers)} answered: check the addresses "
+                                   f"and that those nodes are running")
 
 
 async def start_reachable_dht(cfg: SwarmConfig, initial_peers: list[str]) -> tuple[DHT, Reach]:

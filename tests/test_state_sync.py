@@ -183,6 +183,18 @@ def test_a_corrupt_or_lying_donor_is_rejected_with_its_reason_and_the_next_one_u
     assert [(o["offender"], o["kind"], o["detail"]) for o in offenses] == [(bad.id, "state", reason)], offenses
 
 
+def test_a_donor_that_trained_on_during_the_download_is_no_offense(peers):
+    good, newcomer = peers(), peers()
+    good.advance(2)
+    result = asyncio.run(newcomer.sync.sync(Target(1, "hash of epoch 1", [good.id])))  # the swarm stepped on
+    assert not result.ok and result.moved_on, result  # the daemon asks the swarm for its new state at once
+    assert result.donor_errors == [f"donor {good.id[-8:]} rejected: it sent epoch 2, expected the swarm's 1 "
+                                   f"(>= ours, 0)"]
+    time.sleep(1.0)
+    assert newcomer.averager.offenses() == []  # nothing counts towards a ban
+    assert asyncio.run(newcomer.sync.sync(good.target())).ok
+
+
 def test_states_that_fail_the_checks_are_refused(peers):
     donor, newcomer = peers(), peers()
     foreign = peers(fingerprint="another-model")
