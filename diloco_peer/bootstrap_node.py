@@ -28,12 +28,12 @@ from .monitor import SwarmMonitor, format_status, status_json, summarize
 from .progress import add_progress_validators, fetch_progress
 from .reachability import ProbeService
 from .reaper import Reaper
-from .swarm import SwarmError, join_address, join_dht_peers, parse_multiaddr, start_dht, visible_addresses
+from .swarm import join_address, join_dht_peers, parse_multiaddr, start_dht, visible_addresses
 
 logger = logging.getLogger("diloco_peer.bootstrap")
 
 MONITOR_REFRESH_SECONDS = 5.0
-RELAY_STARTS = 5
+RELAY_STARTS = 3
 RELAY_TEST_SECONDS = 5.0
 
 
@@ -101,12 +101,12 @@ async def start_relay(cfg: SwarmConfig, initial_peers: list[str], starts: int = 
     (``ProbeService.relay_carries``). p2pd also runs go-libp2p's default relay, which resets circuits after
     128 KiB; measured in the emulated internet, some starts of the node serve with it for good (every test
     reset), others only for the first moments: so the test is repeated for a few seconds, then the node is
-    started again."""
+    started again; after the last start it serves anyway and says so in an error line."""
     for addr in initial_peers:
         parse_multiaddr(addr, need_peer_id=True, what="--initial-peer address")
     for start in range(1, starts + 1):
         # other bootstraps are joined only after the test: a relay started with bootstrap peers failed it in
-        # every start in the emulated internet (5 of 5 in one CI run, 3 of 3 in another)
+        # every start in the emulated internet (3 of 3; 5 of 5 in a CI run with an earlier version of the test)
         dht = await asyncio.to_thread(start_dht, cfg, [], relay_service=True)
         try:
             probes = await ProbeService.start(dht)
@@ -123,6 +123,16 @@ async def start_relay(cfg: SwarmConfig, initial_peers: list[str], starts: int = 
                         raise
                     return dht, probes
                 await asyncio.sleep(0.5)
+            if start == starts:  # still a bootstrap node: serve, and say that relaying may break off
+                logger.error(f"relay self-test: 1 MiB did not get through a circuit via this node in {starts} "
+                             f"starts; serving anyway: peers behind NAT may fail to train through this relay "
+                             f"(check the hivemind version: 1.1.12 is tested)")
+                try:
+                    await asyncio.to_thread(join_dht_peers, dht, initial_peers)
+                except BaseException:
+                    await probes.close()
+                    raise
+                return dht, probes
             await probes.close()
         except BaseException:
             await asyncio.to_thread(dht.shutdown)
@@ -130,8 +140,7 @@ async def start_relay(cfg: SwarmConfig, initial_peers: list[str], starts: int = 
         await asyncio.to_thread(dht.shutdown)
         logger.warning(f"relay self-test: 1 MiB did not get through a circuit via this node in {tests} tests; "
                        f"starting it again ({start}/{starts})")
-    raise SwarmError(f"the relay failed its self-test in {starts} starts (1 MiB through a circuit): peers behind "
-                     f"NAT could not train through it; check the hivemind version (1.1.12 is tested)")
+    raise AssertionError("unreachable: the last start returns")
 
 
 async def run_status(bootstrap: list[str], run_id: str, as_json: bool, wait: float, secret_file: str = "") -> int:

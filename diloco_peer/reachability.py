@@ -138,7 +138,7 @@ class ProbeService:
             await self.p2p.remove_binary_stream_handler(PROBE_PROTOCOL)
         await self.prober.shutdown()
 
-    async def relay_carries(self, size: int = RELAY_TEST_BYTES, timeout: float = 15.0) -> bool:
+    async def relay_carries(self, size: int = RELAY_TEST_BYTES, timeout: float = 6.0) -> bool:
         """Does a circuit through us carry ``size`` bytes? A helper p2pd reserves a slot with us and the prober
         sends it ``size`` bytes through our relay.
 
