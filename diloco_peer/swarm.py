@@ -108,9 +108,10 @@ def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool =
     """Start this node's DHT; with ``initial_peers``, fail with a clear message if none is reachable.
 
     :param relay_service: serve as a circuit relay for NAT'd peers (bootstrap nodes; public peers that opt in):
-      go-libp2p starts its relay service once it believes it is publicly reachable, so that is forced. (Off
-      has no switch: hivemind 1.1.12's p2pd relayed circuits in the test bed even with -relay=0 and
-      -relayService=0. A node relays for the NAT'd peers that list it: ``swarm.relays``, or the bootstraps.)
+      go-libp2p starts its relay service once it believes it is publicly reachable, so that is forced, and
+      p2pd runs with ``reachability.RELAY_ENV`` so that this relay, not go-libp2p's default one, serves. (Off
+      has no switch: hivemind 1.1.12's p2pd always runs the default relay, 128 KiB per relayed connection. A
+      node relays for the NAT'd peers that list it: ``swarm.relays``, or the bootstraps.)
     :param relays: reserve a slot with these relays and announce circuit addresses through them (a NAT'd
       peer); the relays are static (no discovery: it would wait minutes for more candidates)
     """
@@ -122,7 +123,8 @@ def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool =
     announce = [f"{r}/p2p-circuit" for r in relays] or list(cfg.announce_maddrs)
     nat = dict(use_auto_relay=True, trusted_relays=list(relays), force_reachability="private") if relays else {}
     try:
-        with reachability.p2pd_flags(**({"relayDiscovery": "0"} if relays else {})):
+        with (reachability.p2pd_flags(**({"relayDiscovery": "0"} if relays else {})),
+              reachability.p2pd_env(reachability.RELAY_ENV if relay_service else {})):
             return DHT(
                 start=True,
                 initial_peers=list(initial_peers),

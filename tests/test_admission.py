@@ -135,11 +135,15 @@ def test_an_unadmitted_peer_never_averages_with_the_swarm(dhts, closed_by):
     try:
         for epoch in range(2):
             results = asyncio.run(_rounds(averagers, inputs, epoch))
-            for result in results[:2]:
+            for own, result in enumerate(results[:2], start=1):
                 offenses += result.offenses
                 if result.ok:
                     member_groups.append(result.group_size)
-                    assert all(torch.equal(t, torch.full_like(t, 1.5)) for t in result.averaged)  # members only
+                    # the members' average (1.5), never the outsider's 3; where a part failed under load (CI saw
+                    # a reducer time out), our own values are kept and counted as not averaged
+                    values = torch.cat([t.flatten() for t in result.averaged])
+                    assert bool(((values == 1.5) | (values == own)).all()), values
+                    assert int((values == own).sum()) == result.values_not_averaged < values.numel(), result
             assert not results[2].ok, results[2]  # the outsider averaged with nobody
     finally:
         for a in averagers:

@@ -1,16 +1,17 @@
-"""Reachability on loopback: the probe service's rules, the relay self-test, and bad input (see test_nat.py
+"""Reachability on loopback: the probe service's rules, the relay's limit check, and bad input (see test_nat.py
 for real peers behind emulated NAT routers)."""
 
 from __future__ import annotations
 
 import asyncio
 
+from hivemind.p2p import P2P
 from multiaddr import Multiaddr
 from test_cli import run_cli
 
 from diloco_peer.bootstrap_node import start_relay
 from diloco_peer.config import SwarmConfig
-from diloco_peer.reachability import ProbeService, free_port_addrs, probe_direct
+from diloco_peer.reachability import ProbeService, circuit_limit, free_port_addrs, p2pd_flags, probe_direct
 
 
 def _service(own: list[str]) -> ProbeService:
@@ -44,12 +45,12 @@ def test_free_port_addrs_picks_one_port_for_the_probe_and_the_dht():
     assert resolved[1] == "/ip4/127.0.0.1/tcp/40001"
 
 
-def test_a_bootstrap_relay_carries_a_megabyte_and_dials_a_listening_peer_back():
+def test_a_bootstrap_relay_grants_big_circuits_and_dials_a_listening_peer_back():
     async def main():
         dht, probes = await start_relay(SwarmConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), [])
         try:
-            # start_relay hands out a relay only once 1 MiB got through one of its circuits
-            assert await probes.relay_carries()
+            # p2pd's configured relay serves, not go-libp2p's default one (see ProbeService.relay_limit)
+            assert await probes.relay_limit() == (True, "4 GiB and 30 min per relayed connection")
             boot = f"{probes.own_addrs[0]}/p2p/{dht.peer_id}"
             direct, detail = await probe_direct(free_port_addrs(["/ip4/127.0.0.1/tcp/0"]), [], [boot])
             assert direct is True and "dialed us back at /ip4/127.0.0.1/tcp/" in detail, detail
@@ -59,6 +60,22 @@ def test_a_bootstrap_relay_carries_a_megabyte_and_dials_a_listening_peer_back():
         finally:
             await probes.close()
             dht.shutdown()
+
+    asyncio.run(main())
+
+
+def test_the_limit_check_tells_go_libp2ps_default_relay_from_the_configured_one():
+    async def main():
+        with p2pd_flags(relayService="0"):  # then only the default relay runs (p2pd's daemon.go starts it)
+            relay = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], force_reachability="public")
+        client = await P2P.create(no_listen=True)
+        try:
+            addrs = [Multiaddr(str(a).split("/p2p/")[0]) for a in await relay.get_visible_maddrs()]
+            await client._client.connect(relay.peer_id, addrs)
+            assert await circuit_limit(client, relay.peer_id) == (128 << 10, 120)
+        finally:
+            await client.shutdown()
+            await relay.shutdown()
 
     asyncio.run(main())
 
