@@ -55,6 +55,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._crash, self._truncate = crash, truncate
         self._limits, self._on_offense = limits, on_offense
         own = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
+        # hivemind's own reducer is replaced unused: marked finished, or its finalize (when garbage-collected)
+        # warns "Reducer: received 0.0% of input tensors" in every round we reduce in
+        self.tensor_part_reducer.finished.set()
         self.tensor_part_reducer = CheckedPartReducer(
             self.tensor_part_reducer.part_shapes, len(self.sender_peer_ids), own=own, limits=limits,
             on_refused=lambda sender, problem: self._refuse_sender(self.sender_peer_ids[sender], problem))

@@ -25,14 +25,14 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import socket
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
+
+from .relay import GOOD_CIRCUIT_BYTES, circuit_limit, limit_text, usable_relays
 
 logger = logging.getLogger(__name__)
 
@@ -42,111 +42,8 @@ PROBE_PROTOCOL = "/diloco-peer/probe/1.0.0"
 DIAL_TIMEOUT = 3.0
 """Seconds the prober waits for one dial: a home router that drops SYNs never answers at all."""
 MAX_CANDIDATES = 3
-HOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/hop"
-GOOD_CIRCUIT_BYTES = 1 << 30
-"""A relay that resets a relayed connection sooner (go-libp2p's default: after 128 KiB) cannot carry averaging."""
-RELAY_ENV = {"GOMAXPROCS": "1"}
-"""Environment of a relay's p2pd. Of its two relays (``ProbeService.relay_limit``) the one registered last serves;
-with one Go thread that was the configured one in 40 of 40 starts here (30 idle, 10 with both cores busy), with
-the default threads in 5 of 26 (0 of 10 in one idle run). One thread is plenty for a relay's copying and the DHT."""
 RELAY_WAIT = 10.0
 """Seconds a NAT'd peer waits for its first relay reservation (it takes ~0.1 s when the relay is up)."""
-
-_extra_flags: dict[str, str] = {}
-
-
-def _make_process_args(original):
-    def make(*args, **kwargs):
-        return original(*args, **{**kwargs, **_extra_flags})
-
-    make.diloco_wrapped = True
-    return make
-
-
-@contextlib.contextmanager
-def p2pd_flags(**flags: str) -> Iterator[None]:
-    """p2pd flags that hivemind's ``P2P.create`` does not expose, for the daemons started inside the block.
-
-    hivemind builds the p2pd command line in ``P2P._make_process_args``; a DHT started in the block forks
-    its process (and p2pd) while the flags are set, so it keeps them. Pinned to hivemind 1.1.12 (tested).
-    """
-    if not getattr(P2P._make_process_args, "diloco_wrapped", False):
-        P2P._make_process_args = staticmethod(_make_process_args(P2P._make_process_args))
-    _extra_flags.update(flags)
-    try:
-        yield
-    finally:
-        _extra_flags.clear()
-
-
-@contextlib.contextmanager
-def p2pd_env(env: dict[str, str]) -> Iterator[None]:
-    """Environment variables for the daemons started inside the block (a DHT's process forks with them)."""
-    before = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = buf[i]
-        value, shift, i = value | (byte & 0x7F) << shift, shift + 7, i + 1
-        if not byte & 0x80:
-            return value, i
-
-
-def _fields(buf: bytes) -> dict[int, list]:
-    """A protobuf message's fields (number -> values; varints as ints, the rest as bytes): enough for the
-    three small circuit relay v2 messages we read, without compiling their .proto."""
-    fields, i = {}, 0
-    while i < len(buf):
-        key, i = _varint(buf, i)
-        if key & 7 == 0:
-            value, i = _varint(buf, i)
-        elif key & 7 == 2:
-            size, i = _varint(buf, i)
-            value, i = buf[i:i + size], i + size
-        else:
-            raise ValueError(f"unexpected protobuf wire type {key & 7}")
-        fields.setdefault(key >> 3, []).append(value)
-    return fields
-
-
-async def circuit_limit(p2p: P2P, relay: PeerID, timeout: float = 5.0) -> tuple[int | None, int | None]:
-    """Ask ``relay`` (connected) for a slot, as auto-relay does (circuit relay v2 RESERVE), and read the limit it
-    grants each relayed connection: (bytes per direction, seconds), None where it sets none. Raises
-    ConnectionError if it refuses."""
-
-    async def ask() -> tuple[int | None, int | None]:
-        _, reader, writer = await p2p.call_binary_stream_handler(relay, HOP_PROTOCOL)
-        try:
-            writer.write(b"\x02\x08\x00")  # a 2-byte HopMessage {type: RESERVE}, length-prefixed
-            await writer.drain()
-            prefix = await reader.readexactly(1)
-            while prefix[-1] & 0x80:
-                prefix += await reader.readexactly(1)
-            reply = _fields(await reader.readexactly(_varint(prefix, 0)[0]))
-        finally:
-            writer.close()
-        if reply.get(5) != [100]:  # HopMessage.status: 100 is OK
-            raise ConnectionError(f"the relay refused a slot (status {reply.get(5, ['none'])[0]})")
-        limit = _fields(reply[4][0]) if 4 in reply else {}
-        return limit.get(2, [None])[0], limit.get(1, [None])[0]
-
-    return await asyncio.wait_for(ask(), timeout)
-
-
-def limit_text(data: int | None, seconds: int | None) -> str:
-    size = "no data limit" if data is None else (f"{data / 2**30:g} GiB" if data >= 2**30 else f"{data >> 10} KiB")
-    return f"{size} and {'no time limit' if seconds is None else f'{seconds / 60:g} min'} per relayed connection"
 
 
 def free_port_addrs(host_maddrs: list[str]) -> list[str]:
@@ -216,12 +113,9 @@ class ProbeService:
     async def relay_limit(self, wait: float = 2.0) -> tuple[bool, str]:
         """Does our relay let a circuit carry a round's traffic? (ok, its limit in words.)
 
-        hivemind 1.1.12's p2pd runs *two* relays on one hop protocol (its main.go and daemon.go): one with the
-        configured limits (4 GiB and 30 min per relayed connection), started once the node is (forced) public,
-        and go-libp2p's default one (128 KiB and 2 min), which it always starts. The one registered last
-        serves, for good: ``start_dht`` makes that the configured one (``RELAY_ENV``), and this checks it by
-        asking for a slot as auto-relay does. The default one answers first for a moment if the configured
-        one is still starting, so a small limit is asked again for up to ``wait`` seconds.
+        p2pd runs two relays, of which the configured one should serve (relay.py): this asks ours for a slot as
+        auto-relay does. The default one answers first for a moment if the configured one is still starting,
+        so a small limit is asked again for up to ``wait`` seconds.
         """
         own = sorted(self.own_addrs, key=lambda a: "/127.0.0.1/" not in a)
         if not own:
@@ -406,10 +300,13 @@ class ReachabilityWatch:
             self._task = asyncio.create_task(self._watch(await dht.replicate_p2p()))
 
     async def _watch(self, p2p: P2P) -> None:
-        held = set(self.reach.relays)
+        held, too_small = set(self.reach.relays), set()
         while True:
             await asyncio.sleep(self.interval)
-            now = set(await check_relays(p2p, self.relays))
+            now = set(await check_relays(p2p, self.relays)) - too_small
+            if fresh := now - held:  # a relay new to us (or back): is it one we can average through?
+                too_small |= fresh - set(await usable_relays(p2p, sorted(fresh)))
+                now -= too_small
             if now == held:
                 continue
             names = lambda relays: ", ".join(sorted(r.split("/")[-1][-8:] for r in relays))  # noqa: E731

@@ -19,7 +19,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
-from . import reachability
+from . import reachability, relay
 from .admission import load_admission
 from .config import SwarmConfig
 from .reachability import DIRECT, OUTBOUND, RELAYED, Reach
@@ -109,7 +109,7 @@ def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool =
 
     :param relay_service: serve as a circuit relay for NAT'd peers (bootstrap nodes; public peers that opt in):
       go-libp2p starts its relay service once it believes it is publicly reachable, so that is forced, and
-      p2pd runs with ``reachability.RELAY_ENV`` so that this relay, not go-libp2p's default one, serves. (Off
+      p2pd runs with ``relay.RELAY_ENV`` so that this relay, not go-libp2p's default one, serves. (Off
       has no switch: hivemind 1.1.12's p2pd always runs the default relay, 128 KiB per relayed connection. A
       node relays for the NAT'd peers that list it: ``swarm.relays``, or the bootstraps.)
     :param relays: reserve a slot with these relays and announce circuit addresses through them (a NAT'd
@@ -123,8 +123,8 @@ def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool =
     announce = [f"{r}/p2p-circuit" for r in relays] or list(cfg.announce_maddrs)
     nat = dict(use_auto_relay=True, trusted_relays=list(relays), force_reachability="private") if relays else {}
     try:
-        with (reachability.p2pd_flags(**({"relayDiscovery": "0"} if relays else {})),
-              reachability.p2pd_env(reachability.RELAY_ENV if relay_service else {})):
+        with (relay.p2pd_flags(**({"relayDiscovery": "0"} if relays else {})),
+              relay.p2pd_env(relay.RELAY_ENV if relay_service else {})):
             return DHT(
                 start=True,
                 initial_peers=list(initial_peers),
@@ -201,7 +201,9 @@ async def start_reachable_dht(cfg: SwarmConfig, initial_peers: list[str]) -> tup
     if mode == RELAYED and relays:
         dht = await asyncio.to_thread(start_dht, cfg, initial_peers, relays=relays)
         try:
-            held = await reachability.check_relays(await dht.replicate_p2p(), relays, wait=reachability.RELAY_WAIT)
+            p2p = await dht.replicate_p2p()
+            carried = await reachability.check_relays(p2p, relays, wait=reachability.RELAY_WAIT)
+            held = await relay.usable_relays(p2p, carried)
         except BaseException:
             await asyncio.to_thread(dht.shutdown)
             raise
@@ -210,7 +212,8 @@ async def start_reachable_dht(cfg: SwarmConfig, initial_peers: list[str]) -> tup
                               + ", ".join(r.split("/")[-1][-8:] for r in held),
                               f"Relayed traffic is slower: for direct connections {forward}", held)
         await asyncio.to_thread(dht.shutdown)
-        detail += f"; no relay of {len(relays)} dialed us through its circuit within {reachability.RELAY_WAIT:g}s"
+        detail += (f"; no relay of {len(relays)} dialed us through its circuit within {reachability.RELAY_WAIT:g}s"
+                   if not carried else f"; the {len(carried)} relay(s) that dialed us grant too little (warned above)")
     dht = await asyncio.to_thread(start_dht, cfg, initial_peers, client_mode=True)
     return dht, Reach(OUTBOUND, detail, f"This peer averages only with reachable peers and never leads a group: "
                       f"{forward}, or check swarm.relays")

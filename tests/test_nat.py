@@ -27,7 +27,7 @@ DEAD_RELAY = "/ip4/10.78.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DW
 
 @pytest.fixture
 def internet(request):
-    """``internet(homes, forward=...)``: the emulated internet, removed after the test (also on failure)."""
+    """``internet(homes, mbit=0)``: the emulated internet, removed after the test (also on failure)."""
     why = netbed.available() or ("" if netbed.shutil.which("iptables") else "iptables is not installed")
     if why:
         if os.environ.get("CI"):
@@ -35,8 +35,8 @@ def internet(request):
         pytest.skip(why)
     made = []
 
-    def make(homes: int) -> netbed.EmulatedInternet:
-        net = netbed.EmulatedInternet(homes, tag=f"dt{os.getpid() % 10000}{len(made)}")
+    def make(homes: int, mbit: float = 0) -> netbed.EmulatedInternet:
+        net = netbed.EmulatedInternet(homes, mbit=mbit, tag=f"dt{os.getpid() % 10000}{len(made)}")
         made.append(net)
         return net.__enter__()
 
@@ -61,7 +61,7 @@ def boot(swarm, net, port: int = 31337, *extra: str, log_name: str = "bootstrap.
 
 
 def test_three_nat_peers_average_every_round_and_a_late_one_syncs_and_contributes(internet, local_swarm):
-    net = internet(4)
+    net = internet(4, mbit=20)  # home connections of 20 Mbit/s up and down (tbf): ~2 MB per round each way
     boot(local_swarm, net)
     names = ["home1", "home2", "home3"]
     sets = ["averaging.min_peers=3", "run.max_rounds=0", *RELAYED]  # train until told to stop

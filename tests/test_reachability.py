@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-from hivemind.p2p import P2P
 from multiaddr import Multiaddr
 from test_cli import run_cli
 
 from diloco_peer.bootstrap_node import start_relay
 from diloco_peer.config import SwarmConfig
-from diloco_peer.reachability import ProbeService, circuit_limit, free_port_addrs, p2pd_flags, probe_direct
+from diloco_peer.reachability import ProbeService, free_port_addrs, probe_direct
+from diloco_peer.relay import usable_relays
 
 
 def _service(own: list[str]) -> ProbeService:
@@ -52,6 +52,7 @@ def test_a_bootstrap_relay_grants_big_circuits_and_dials_a_listening_peer_back()
             # p2pd's configured relay serves, not go-libp2p's default one (see ProbeService.relay_limit)
             assert await probes.relay_limit() == (True, "4 GiB and 30 min per relayed connection")
             boot = f"{probes.own_addrs[0]}/p2p/{dht.peer_id}"
+            assert await usable_relays(probes.prober, [boot]) == [boot]
             direct, detail = await probe_direct(free_port_addrs(["/ip4/127.0.0.1/tcp/0"]), [], [boot])
             assert direct is True and "dialed us back at /ip4/127.0.0.1/tcp/" in detail, detail
             nobody = "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
@@ -60,22 +61,6 @@ def test_a_bootstrap_relay_grants_big_circuits_and_dials_a_listening_peer_back()
         finally:
             await probes.close()
             dht.shutdown()
-
-    asyncio.run(main())
-
-
-def test_the_limit_check_tells_go_libp2ps_default_relay_from_the_configured_one():
-    async def main():
-        with p2pd_flags(relayService="0"):  # then only the default relay runs (p2pd's daemon.go starts it)
-            relay = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], force_reachability="public")
-        client = await P2P.create(no_listen=True)
-        try:
-            addrs = [Multiaddr(str(a).split("/p2p/")[0]) for a in await relay.get_visible_maddrs()]
-            await client._client.connect(relay.peer_id, addrs)
-            assert await circuit_limit(client, relay.peer_id) == (128 << 10, 120)
-        finally:
-            await client.shutdown()
-            await relay.shutdown()
 
     asyncio.run(main())
 
