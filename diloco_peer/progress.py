@@ -275,7 +275,9 @@ class SwarmProgress:
         holds the gate ``ready_timeout`` at most; fake peers can fill ``min_peers`` early (the first round then
         starts with fewer real peers, or waits ``min_peers_timeout`` at most); one that claims to be ready and
         never shows up in matchmaking costs a matchmaking timeout and a solo step. A peer at another epoch
-        (``lie_epoch``) is not waited for at all.
+        (``lie_epoch``) is not waited for at all, unless most peers are behind us (``quorum_epoch``): then we
+        are the one off (our round failed where theirs did not) and wait, ``ready_timeout`` at most, for them
+        to reach our epoch.
         """
         started = time.monotonic()
         quorum_since = None
@@ -293,10 +295,17 @@ class SwarmProgress:
                 ready = sum(r.ready for r in same_epoch)
             now = time.monotonic()
             waited = now - started
+            # ahead of the swarm (a round of ours failed, the others' did not): they reach our epoch round by
+            # round; going on alone would put us further ahead every round, never to meet them again
+            swarm = quorum_epoch(records) if not delayed else None
+            ahead = swarm is not None and swarm < epoch
             if len(records) >= min_peers:
                 quorum_since = quorum_since if quorum_since is not None else now
-                if ready == len(same_epoch):
+                if ready == len(same_epoch) and not ahead:
                     return ReadyDecision(ready, len(records), waited, "all peers of this epoch are ready", records)
+                if ahead and now - quorum_since >= ready_timeout:
+                    return ReadyDecision(ready, len(records), waited, f"ahead of the swarm (epoch {swarm}) after "
+                                         f"waiting {ready_timeout:g}s for it", records)
                 if now - quorum_since >= ready_timeout:
                     return ReadyDecision(ready, len(records), waited,
                                          f"stragglers left behind after {ready_timeout:g}s", records)

@@ -212,6 +212,26 @@ def test_gate_waits_for_stragglers_then_for_nobody(two_dhts):
     assert everyone.ready == 2 and everyone.waited < 5 and "all peers" in everyone.reason
 
 
+def test_a_peer_ahead_of_the_swarm_waits_for_it_instead_of_running_on_alone(two_dhts):
+    """After a round that failed only for us (a solo step), we are at an epoch nobody else is at yet: not waiting
+    would mean a solo step every round, further ahead each time (seen in the emulated internet)."""
+    dht_a, dht_b = two_dhts
+
+    async def scenario():
+        a = SwarmProgress(dht_a, RUN, "peer-a", heartbeat=5)
+        b = SwarmProgress(dht_b, RUN, "peer-b", heartbeat=5)
+        await b.publish(epoch=3, ready=False, joined=True)
+        await a.publish(epoch=4, ready=True, joined=True)
+        ahead = await a.wait_until_ready(min_peers=2, min_peers_timeout=30, ready_timeout=1.5)
+        await b.publish(epoch=4, ready=True)  # the swarm's round ended: b reached our epoch
+        met = await a.wait_until_ready(min_peers=2, min_peers_timeout=30, ready_timeout=30)
+        return ahead, met
+
+    ahead, met = asyncio.run(scenario())
+    assert ahead.ready == 1 and ahead.waited >= 1.5 and ahead.reason.startswith("ahead of the swarm (epoch 3)")
+    assert met.ready == 2 and met.waited < 5 and "all peers" in met.reason
+
+
 def test_gate_gives_up_on_min_peers_after_timeout(two_dhts):
     dht_a, _ = two_dhts
 
