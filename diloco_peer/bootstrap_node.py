@@ -108,13 +108,14 @@ async def start_relay(cfg: SwarmConfig, initial_peers: list[str], starts: int = 
             probes = await ProbeService.start(dht)
             try:
                 ok, limit = await probes.relay_limit()
+                problem = f"it grants {limit} (go-libp2p's default relay serves), too little for averaging"
             except Exception as e:  # no answer from our own relay is a failed check, not a failed start
-                ok, limit = False, f"no answer from it: {str(e).strip()[:200] or type(e).__name__}"
+                ok, problem = False, f"it did not answer a reservation: {str(e).strip()[:200] or type(e).__name__}"
             if ok or start == starts:  # the last start serves anyway: still a bootstrap node
                 if ok:
                     logger.info(f"relay for peers behind NAT: {limit} (start {start})")
                 else:
-                    logger.error(f"relay: {limit} in {starts} starts; serving anyway: peers behind NAT cannot "
+                    logger.error(f"relay: {problem}, in {starts} starts; serving anyway: peers behind NAT cannot "
                                  f"average through this node (check the hivemind version: 1.1.12 is tested)")
                 try:
                     await asyncio.to_thread(join_dht_peers, dht, initial_peers)
@@ -127,8 +128,7 @@ async def start_relay(cfg: SwarmConfig, initial_peers: list[str], starts: int = 
             await asyncio.to_thread(dht.shutdown)
             raise
         await asyncio.to_thread(dht.shutdown)
-        logger.warning(f"relay: p2pd serves go-libp2p's default relay ({limit}), too small for averaging; "
-                       f"starting the node again ({start}/{starts})")
+        logger.warning(f"relay: {problem}; starting the node again ({start}/{starts})")
     raise AssertionError("unreachable: the last start returns")
 
 

@@ -129,7 +129,6 @@ def limit_text(data: int | None, seconds: int | None) -> str:
     return f"{size} and {'no time limit' if seconds is None else f'{seconds / 60:g} min'} per relayed connection"
 
 
-
 async def usable_relays(p2p: P2P, relays: list[str]) -> list[str]:
     """Those of ``relays`` (holding a slot for us) whose relayed connections can carry averaging; a warning line
     for each that cannot: a relay node of an older version may serve go-libp2p's default relay (128 KiB)."""
