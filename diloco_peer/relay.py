@@ -28,9 +28,9 @@ GOOD_CIRCUIT_BYTES = 1 << 30
 RELAY_ENV = {"GOMAXPROCS": "1"}
 """Environment of a relay's p2pd. Of its two relays (``ProbeService.relay_limit``) the one registered last serves;
 with one Go thread that was the configured one in 40 of 40 starts here (30 idle, 10 with both cores busy), with
-the default threads in 5 of 26 (0 of 10 in one idle run). One thread is plenty for a bootstrap's relaying and DHT
-traffic; a peer that opts in (``swarm.relay_service``) also moves its own averaging traffic through it (not measured
-at scale)."""
+the default threads in 5 of 26 (0 of 10 in one idle run). One thread carried the NAT tests' relayed rounds (~4 MB
+per peer and round); a busy relay's throughput with it, and that of a peer that opts in (``swarm.relay_service``,
+whose own averaging traffic goes through the same daemon), are not measured."""
 
 _extra_flags: dict[str, str] = {}
 
