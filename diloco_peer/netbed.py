@@ -44,7 +44,30 @@ def available() -> str:
     return ""
 
 
-class SlowNetwork:
+def _shape(dev: str, ns: str, mbit: float, burst_kb: int = 64) -> None:
+    """Shape ``dev``'s egress in ``ns`` to ``mbit`` Mbit/s with tbf (0 = leave it unshaped)."""
+    if mbit:
+        _ip("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit", "burst", f"{burst_kb}kb",
+            "latency", "50ms", ns=ns)
+
+
+class _Namespaces:
+    """Built on entry (the subclass's ``_build``), removed on exit (its ``close``), also when the build fails
+    half-way."""
+
+    def __enter__(self):
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class SlowNetwork(_Namespaces):
     """``peers`` namespaces on a bridge, each link shaped to ``mbit`` Mbit/s in both directions (0 = unshaped).
 
     :param peers: how many namespaces (peer i has address ``10.77.0.{i+1}``)
@@ -72,21 +95,8 @@ class SlowNetwork:
     def run(self, i: int, argv: list[str], **kwargs) -> subprocess.Popen:
         return subprocess.Popen(self.command(i, argv), **kwargs)
 
-    def __enter__(self) -> SlowNetwork:
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def _shape(self, dev: str, ns: str) -> None:
-        if self.mbit:
-            _ip("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{self.mbit}mbit",
-                "burst", f"{self.burst_kb}kb", "latency", "50ms", ns=ns)
+        _shape(dev, ns, self.mbit, self.burst_kb)
 
     def _build(self) -> None:
         _ip("ip", "netns", "add", self.hub)
@@ -124,7 +134,7 @@ def _remove(namespaces: list[str]) -> None:
     namespaces.clear()
 
 
-class EmulatedInternet:
+class EmulatedInternet(_Namespaces):
     """A "public" network and ``homes`` home networks, each behind its own NAT router, like volunteers' homes.
 
         with EmulatedInternet(homes=3) as net:
@@ -174,15 +184,7 @@ class EmulatedInternet:
     def __enter__(self) -> EmulatedInternet:
         if not shutil.which("iptables"):
             raise RuntimeError("iptables is not installed (Debian package iptables): it emulates the home routers")
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        return super().__enter__()
 
     def _add(self, ns: str) -> str:
         _ip("ip", "netns", "add", ns)
@@ -208,10 +210,8 @@ class EmulatedInternet:
             _ip("ip", "route", "add", "default", "via", f"10.78.{i}.1", ns=host)
             _ip("sysctl", "-qw", "net.ipv4.ip_forward=1", ns=router)
             _ip("iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "pub0", "-j", "MASQUERADE", ns=router)
-            if self.mbit:  # the home's uplink and downlink
-                for ns, dev in ((host, "eth0"), (router, "lan0")):
-                    _ip("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{self.mbit}mbit",
-                        "burst", "64kb", "latency", "50ms", ns=ns)
+            for ns, dev in ((host, "eth0"), (router, "lan0")):  # the home's uplink and downlink
+                _shape(dev, ns, self.mbit)
 
     def close(self) -> None:
         _remove(self._made)
