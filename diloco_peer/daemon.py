@@ -253,7 +253,7 @@ class PeerDaemon:
         for _ in range(2):  # the swarm stepped on during the download: once more, for its new state
             if not result.moved_on or not self.sync.needs_sync(target := swarm_target(await progress.swarm_records())):
                 break
-            result = await self.sync.sync(target)
+            result = (await self.sync.sync(target)).after(result)
         self.events.write("sync", peer=self.name, reason=why, donor=result.donor, epoch=result.epoch,
                           seconds=result.seconds, bytes=result.bytes, attempts=result.attempts, ok=result.ok,
                           error=result.error, donor_errors=result.donor_errors)

@@ -89,6 +89,14 @@ class SyncResult:
     moved_on: bool = False
     """A donor sent a later epoch than the target: the swarm stepped on while we looked (ask for a new target)."""
 
+    def after(self, earlier: "SyncResult") -> "SyncResult":
+        """This retry with an ``earlier`` attempt's cost and donor errors added: one record of the whole sync."""
+        self.seconds += earlier.seconds
+        self.bytes += earlier.bytes
+        self.attempts += earlier.attempts
+        self.donor_errors[:0] = earlier.donor_errors
+        return self
+
 
 class StateSync:
     """Serves this peer's outer state to others and replaces it with a donor's when behind.

@@ -192,7 +192,9 @@ def test_a_donor_that_trained_on_during_the_download_is_no_offense(peers):
                                    f"(>= ours, 0)"]
     time.sleep(1.0)
     assert newcomer.averager.offenses() == []  # nothing counts towards a ban
-    assert asyncio.run(newcomer.sync.sync(good.target())).ok
+    retry = asyncio.run(newcomer.sync.sync(good.target())).after(result)
+    assert retry.ok and retry.attempts == 2 and retry.bytes == 2 * result.bytes > 0, retry
+    assert retry.donor_errors == result.donor_errors  # the daemon's one sync event names both tries
 
 
 def test_states_that_fail_the_checks_are_refused(peers):
@@ -273,9 +275,10 @@ def test_a_newcomer_rejects_a_corrupt_donor_and_syncs_from_an_honest_one(local_s
     synced = wait_until(lambda: [e for e in local_swarm.events("new") if e["event"] == "sync" and e["ok"]],
                          "successful sync")[0]
     assert synced["donor"] == ids["honest"], synced
-    syncs = [e for e in local_swarm.events("new") if e["event"] == "sync"]
+    # the honest peer may download too: a round cut short under load leaves it behind, and it catches up
+    syncs = [e for name in ("new", "honest") for e in local_swarm.events(name) if e["event"] == "sync"]
     refusals = [err for e in syncs for err in e["donor_errors"] if ids["corrupt"][-8:] in err]
     assert all(err == rejected for err in refusals), refusals
-    # every state the corrupt peer served was refused, by us and by the newcomer each time it tried it
+    # every state the corrupt peer served was refused, by us and by each peer each time it tried it
     ours = sum(err == rejected for r in results for err in r.donor_errors)
     assert len(serves("corrupt")) == ours + len(refusals), (serves("corrupt"), results, syncs)
