@@ -170,6 +170,13 @@ class StateSync:
             return "the weights it sent do not match the hash it published"
         return ""
 
+    def _trained_on(self, metadata, target: Target) -> bool:
+        """Did the donor send our model's state one or two epochs past the target (it stepped while we looked)?"""
+        if not isinstance(metadata, dict) or metadata.get("fingerprint") != self.fingerprint:
+            return False
+        later = metadata.get("epoch")
+        return isinstance(later, int) and target.epoch < later <= target.epoch + 2
+
     async def sync(self, target: Target) -> SyncResult:
         """Download ``target`` from one of its holders and make it ours; never raises."""
         started = time.perf_counter()
@@ -205,9 +212,7 @@ class StateSync:
                     result.error = f"donor {donor[-8:]} rejected: {problem}"
                     result.donor_errors.append(result.error)
                     logger.warning(f"state sync: {result.error}")
-                    later = metadata.get("epoch") if isinstance(metadata, dict) else None
-                    if isinstance(later, int) and target.epoch < later <= target.epoch + 2 \
-                            and problem.startswith("it sent epoch"):
+                    if self._trained_on(metadata, target):
                         result.moved_on = True  # a donor that trained on while we looked: not an offense
                         continue
                     # the donor is the peer we dialled (libp2p authenticates it): safe to count towards a ban
