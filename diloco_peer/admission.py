@@ -106,14 +106,23 @@ def load_admission(secret_file: str, allowlist: list[str]) -> Admission:
 
 def write_secret(path: str, force: bool = False) -> None:
     """``diloco-peer keygen --secret PATH``: a new random swarm secret (32 bytes, hex), mode 0600."""
+    if "\x00" in path:  # pathlib's checks say False for such a path; opening it raises ValueError
+        raise AdmissionError(f"bad secret path {path!r}: it contains a NUL character: remove it")
     target = Path(path).expanduser()
-    if target.exists() and not force:
-        raise AdmissionError(f"bad secret path {path}: the file exists (a swarm's secret may be in it): choose "
-                             f"another path, or pass --force to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
+    try:
+        if target.is_dir():
+            raise AdmissionError(f"bad secret path {path}: it is a directory: give a file name, e.g. "
+                                 f"{path}/swarm.secret")
+        if target.exists() and not force:
+            raise AdmissionError(f"bad secret path {path}: the file exists (a swarm's secret may be in it): "
+                                 f"choose another path, or pass --force to replace it")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+    except OSError as e:
+        raise AdmissionError(f"bad secret path {path}: cannot write it ({e.strerror}): choose a writable "
+                             f"path") from None
     os.chmod(target, 0o600)
 
 
