@@ -224,8 +224,8 @@ def _check_can_create(path: str, what: str, *, directory: bool) -> None:
 
 def _check_peer(cfg) -> None:
     """What a peer dials, reads and writes, checked before it joins: the daemon would fail only once in the swarm."""
-    from .data import DataError
-    from .swarm import check_identity, parse_multiaddr
+    from .addresses import check_identity, parse_multiaddr
+    from .config import DataError
 
     for key in ("host_maddrs", "announce_maddrs", "relays"):
         for addr in getattr(cfg.swarm, key):
@@ -245,17 +245,14 @@ def _check_peer(cfg) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # heavy imports (torch, hivemind) only once we know which command runs
+    # heavy imports (torch, hivemind) only once the command line is checked: a typo is a one-line error at once
     import uvloop
     from pydantic import ValidationError
 
-    from .admission import load_admission
+    from .addresses import check_identity, parse_multiaddr
     from .config import ConfigError, MetricsConfig, load_config
-    from .swarm import check_identity, parse_multiaddr
 
     if args.command == "bootstrap":
-        from .bootstrap_node import run_bootstrap
-
         # all checked before the DHT starts: a bad address or path is one line, with nothing to tear down
         for flag, addrs in (("--listen", args.listen), ("--announce", args.announce)):
             for addr in addrs:
@@ -271,9 +268,12 @@ def _run(args: argparse.Namespace) -> int:
             raise ConfigError(f"bad --metrics-host {_quote(args.metrics_host)}: {reason}") from None
         if args.identity:
             check_identity(args.identity)
-        load_admission(args.secret_file, [])
         if args.address_file:
             _check_can_create(args.address_file, "--address-file", directory=False)
+        from .admission import load_admission
+        from .bootstrap_node import run_bootstrap
+
+        load_admission(args.secret_file, [])
         return uvloop.run(run_bootstrap(args.listen or ["/ip4/0.0.0.0/tcp/0"], args.announce, args.identity,
                                         args.initial_peer, args.run_id, args.report_every, metrics,
                                         args.address_file, args.secret_file))
@@ -294,33 +294,33 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {png} ({len(logs)} peers: {', '.join(logs)})")
         return 0
     if args.command == "keygen":
-        from .admission import write_secret
-        from .swarm import generate_identity
-
         if bool(args.path) == bool(args.secret):
             raise ConfigError("keygen needs exactly one of KEY_FILE (an identity) or --secret SECRET_FILE (a swarm "
                               "secret), e.g. diloco-peer keygen ~/.diloco.key")
         if args.secret:
+            from .admission import write_secret
+
             write_secret(args.secret, args.force)
             print(f"wrote {args.secret} (mode 0600): a new swarm secret; share it with the swarm's members only")
             print(f"use it with: diloco-peer bootstrap ... --secret-file {args.secret}, and "
                   f"diloco-peer join <bootstrap> --secret-file {args.secret}")
             return 0
+        from .addresses import generate_identity
+
         peer_id = generate_identity(args.path, args.force)
         print(f"wrote {args.path} (mode 0600); peer id {peer_id}")
         print(f"use it with: diloco-peer join <bootstrap> --identity {args.path}")
         return 0
     if args.command == "status":
-        from .bootstrap_node import run_status
-
         for addr in args.bootstrap:
             parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
+        from .admission import load_admission
+        from .bootstrap_node import run_status
+
         load_admission(args.secret_file, [])
         return uvloop.run(run_status(args.bootstrap, args.run_id, args.json, args.wait, args.secret_file))
     overrides = list(args.overrides)
     if args.command == "join":
-        from .daemon import PeerDaemon
-
         for addr in args.bootstrap:
             parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
         if args.identity is not None:
@@ -335,14 +335,17 @@ def _run(args: argparse.Namespace) -> int:
         if args.relay:
             overrides.append("swarm.relay_service=true")
         cfg = load_config(args.config, overrides)
-        load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
         _check_peer(cfg)
+        from .admission import load_admission
+        from .daemon import PeerDaemon
+
+        load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
         return uvloop.run(PeerDaemon(cfg, args.bootstrap, args.name or "").run())
     if args.command == "simulate":
-        from .simulate import run_simulate
-
         cfg = load_config(args.config, overrides)
         _check_can_create(args.out, "--out", directory=True)
+        from .simulate import run_simulate
+
         return run_simulate(args, cfg)
     if args.command == "demo":
         from .demo import check_args, run_demo
@@ -374,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return _fail(e, EXIT_USAGE)
     _setup_logging(args.verbose)
-    from .data import DataError
-    from .swarm import BootstrapUnreachable, SwarmError
+    from .addresses import BootstrapUnreachable, SwarmError
+    from .config import DataError
 
     try:
         return _run(args)

@@ -30,6 +30,11 @@ class ConfigError(ValueError):
         super().__init__(" ".join(str(message).splitlines()))  # user input may carry line breaks
 
 
+class DataError(ValueError):
+    """Unusable data settings or files; the message says which and how to fix it (raised by ``data.py``,
+    defined here so that the CLI can catch it without importing torch)."""
+
+
 class _Section(BaseModel):
     # strict: "yes" is not a bool and "3" is not an int; extra keys are typos, not options.
     # No inf/nan: TOML has them, but an infinite rate or timeout only ever fails later, far from its cause.

@@ -22,13 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .config import DataConfig
+from .config import DataConfig, DataError
 
 BLOCK_CHARS = 2048
-
-
-class DataError(ValueError):
-    """Unusable data settings or files; the message says which and how to fix it."""
 
 
 @dataclass

@@ -36,9 +36,7 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(diloco_cmd(*args), capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize(
-    "args, code, must_contain",
-    [
+BAD_INPUTS = [
         (["join", "not-an-address"], 2, "not-an-address"),
         (["join", "/ip4/1.2.3.4/tcp/31337"], 2, "missing /p2p/"),
         (["join", "/ip4/999.1.1.1/tcp/1/p2p/" + PEER_ID], 2, "999.1.1.1"),
@@ -57,19 +55,37 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         (["bootstrap", "--metrics-port", "70000"], 2, "--metrics-port 70000"),
         (["status", "not-an-address"], 2, "not-an-address"),
         (["keygen", "/tmp"], 2, "is a directory"),
+        (["keygen", "--secret", "/proc/nope/swarm.secret"], 2, "cannot write it (No such file or directory)"),
         (["demo", "--metrics-port-base", "65530", "--peers", "8"], 2, "--metrics-port-base 65530"),
         (["join", GOOD_ADDR, "--config", "/no/such/dir/peer.toml"], 2, "'/no/such/dir/peer.toml' not found"),
         (["join", GOOD_ADDR, "--name", "../../etc/x"], 2, "'../../etc/x' is not a name"),
         (["bootstrap", "--report-every", "nan"], 2, "'nan' is not a number of seconds > 0"),
         (["join"], 2, "BOOTSTRAP_MULTIADDR (see diloco-peer join --help)"),
-    ],
-)
+]
+
+
+@pytest.mark.parametrize("args, code, must_contain", BAD_INPUTS)
 def test_bad_input_one_line_error(args, code, must_contain):
     result = run_cli(*args)
     assert result.returncode == code, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("diloco-peer: error: ") and must_contain in lines[0]
+
+
+def test_bad_input_is_refused_before_torch_or_hivemind_is_imported():
+    """A typo costs a fraction of a second, not the ~3 s of importing torch and hivemind: every command line
+    is checked before the heavy imports."""
+    script = ("import json, sys\n"
+              "from diloco_peer.cli import main\n"
+              "for args in json.loads(sys.argv[1]):\n"
+              "    assert main(args) == 2, args\n"
+              "    heavy = [m for m in ('torch', 'hivemind') if m in sys.modules]\n"
+              "    assert not heavy, f'diloco-peer {\" \".join(args)} imported {heavy} before refusing it'\n")
+    light = [args for args, _, _ in BAD_INPUTS if "--secret" not in args]  # admission.py's classes need hivemind
+    result = subprocess.run([sys.executable, "-c", script, json.dumps(light)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_unknown_command_is_usage_error():
@@ -389,7 +405,7 @@ def cli_sandbox(tmp_path_factory) -> Path:
     (root / "empty_dir").mkdir()
     (root / "a_file").write_text("[inner]\nlr = 1e-3\n")
     (root / "garbage.key").write_bytes(b"not a key")
-    from diloco_peer.swarm import generate_identity
+    from diloco_peer.addresses import generate_identity
 
     generate_identity(str(root / "good.key"))
     (root / "logs").mkdir()
@@ -418,6 +434,9 @@ def commands_stopped_at_the_network(monkeypatch, cli_sandbox):
     monkeypatch.setattr(diloco_peer.report, "plot_losses",
                         lambda logs, png: [list(read_events(p)) for p in logs.values()] and png)
     monkeypatch.chdir(cli_sandbox)
+    # main() sets HIVEMIND_LOGLEVEL (DEBUG with -v) for hivemind to read: undone after the test, or the peers
+    # that later tests start would inherit it and log hivemind's debug lines
+    monkeypatch.setenv("HIVEMIND_LOGLEVEL", "WARNING")
 
 
 @settings(max_examples=300, deadline=None, database=None,
