@@ -80,6 +80,8 @@ def load_admission(secret_file: str, allowlist: list[str]) -> Admission:
     """Read the ``[swarm]`` section's ``secret_file`` and ``allowlist``; raises ``AdmissionError``."""
     secret = None
     if secret_file:
+        if "\x00" in secret_file:  # reading such a path raises ValueError, not OSError
+            raise AdmissionError(f"bad swarm.secret_file {secret_file!r}: it contains a NUL character: remove it")
         path = Path(secret_file).expanduser()
         try:
             raw = path.read_bytes().strip()

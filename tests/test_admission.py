@@ -39,11 +39,16 @@ def test_the_secret_file_and_allowlist_are_validated_with_one_line_errors(tmp_pa
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and len(path.read_text().strip()) == 64
     with pytest.raises(AdmissionError, match="exists"):
         write_secret(str(path))
+    for bad, message in [(str(tmp_path), "is a directory"), ("a\x00b", "NUL character"),
+                         ("/proc/nope/swarm.secret", "cannot write it"), ("x" * 300, "cannot write it")]:
+        with pytest.raises(AdmissionError, match=message):
+            write_secret(bad, force=True)
     admission = load_admission(str(path), ["12D3KooWGfoZeTxSgTg5dhQUKATGDjDLbbSSNDCBk6TRqS9nGX7H"])
     assert admission.secret == path.read_bytes().strip() and len(admission.allowlist) == 1
     for secret_file, allowlist, message in [
         (str(tmp_path / "missing"), [], "cannot read swarm.secret_file"),
         (str(tmp_path), [], "cannot read swarm.secret_file"),  # a directory
+        ("a\x00b", [], "NUL character"),
         ("", ["not-a-peer-id"], "bad peer id 'not-a-peer-id' in swarm.allowlist"),
     ]:
         with pytest.raises(AdmissionError, match=message) as caught:
