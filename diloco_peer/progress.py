@@ -303,12 +303,10 @@ class SwarmProgress:
                 quorum_since = quorum_since if quorum_since is not None else now
                 if ready == len(same_epoch) and not ahead:
                     return ReadyDecision(ready, len(records), waited, "all peers of this epoch are ready", records)
-                if ahead and now - quorum_since >= ready_timeout:
-                    return ReadyDecision(ready, len(records), waited, f"ahead of the swarm (epoch {swarm}) after "
-                                         f"waiting {ready_timeout:g}s for it", records)
                 if now - quorum_since >= ready_timeout:
-                    return ReadyDecision(ready, len(records), waited,
-                                         f"stragglers left behind after {ready_timeout:g}s", records)
+                    why = (f"ahead of the swarm (epoch {swarm}) after waiting {ready_timeout:g}s for it" if ahead
+                           else f"stragglers left behind after {ready_timeout:g}s")
+                    return ReadyDecision(ready, len(records), waited, why, records)
             elif waited >= min_peers_timeout:
                 return ReadyDecision(ready, len(records), waited,
                                      f"only {len(records)} of min_peers={min_peers} after {waited:.0f}s", records)
