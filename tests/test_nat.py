@@ -78,10 +78,17 @@ def test_three_nat_peers_average_every_round_and_a_late_one_syncs_and_contribute
         (found,) = reach(local_swarm, name)
         assert found["mode"] == "relayed" and found["relays"] == 1, found
         assert "dial-back" in found["detail"] and "failed" in found["detail"], found  # the router refused
-    for name in names:  # every round averaged all the peers there were, through the relay
-        done = [r for r in rounds(local_swarm, name) if r["round"] <= joined["round"]]
-        assert all(r["outcome"] == "averaged" and r["bytes_relayed"] > 0 for r in done), done
-        assert all(r["group_size"] == (3 if r["round"] < joined["round"] else 4) for r in done), done
+    # the three: every round averaged all three, through the relay. The newcomer's first try may cut a round
+    # short (it and an older peer can miss each other in matchmaking on these two loaded cores: seen once in CI,
+    # a partial round healed by a state sync); the replicas stay identical all the same (asserted below), and
+    # from its first averaged round on all four average
+    first_try = rounds(local_swarm, "late")[0]["round"]
+    for name in names:
+        three = [r for r in rounds(local_swarm, name) if r["round"] < first_try]
+        assert len(three) >= 2 and all(r["outcome"] == "averaged" and r["bytes_relayed"] > 0 and r["group_size"] == 3
+                                       for r in three), three
+        (four,) = [r for r in rounds(local_swarm, name) if r["round"] == joined["round"]]
+        assert four["outcome"] == "averaged" and four["bytes_relayed"] > 0 and four["group_size"] == 4, four
     for i in range(1, joined["round"] + 1):  # the replicas stay identical, round after round
         assert len({r["param_sha256"] for n in names for r in rounds(local_swarm, n) if r["round"] == i}) == 1
     assert joined["param_sha256"] == rounds(local_swarm, "home1")[joined["round"] - 1]["param_sha256"]
