@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import figure, save  # noqa: E402
 from swarm_bench import raw_tcp_bytes_per_second, run_swarm  # noqa: E402
 
-from diloco_peer.netbed import SlowNetwork, available  # noqa: E402
+from diloco_peer.tools.netbed import SlowNetwork, available  # noqa: E402
 
 MODEL = ["model.hidden_size=256", "model.num_layers=4", "model.ffn_hidden_size=1024", "inner.batch_size=2"]
 

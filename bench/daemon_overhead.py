@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from results import figure, save  # noqa: E402
 
-from diloco_peer.events import read_events  # noqa: E402
+from diloco_peer.observe.events import read_events  # noqa: E402
 
 CHUNKS = 5  # daemon.PROGRESS_EVENTS_PER_ROUND: the daemon writes one progress event per H/5 steps
 
@@ -61,8 +61,8 @@ def bare(args: argparse.Namespace) -> None:
     import torch
 
     from diloco_peer.config import load_config
-    from diloco_peer.data import Corpus
-    from diloco_peer.model import build_model
+    from diloco_peer.training.data import Corpus
+    from diloco_peer.training.model import build_model
 
     cfg = load_config(None, settings_list(args, args.rounds))
     torch.set_num_threads(cfg.run.threads)

@@ -33,9 +33,9 @@ from hivemind.compression import CompressionInfo  # noqa: E402
 from results import figure, save  # noqa: E402
 from swarm_bench import CLI, measure  # noqa: E402
 
-from diloco_peer.averaging_round import wire_compression  # noqa: E402
+from diloco_peer.averaging.averager import wire_compression  # noqa: E402
 from diloco_peer.config import load_config  # noqa: E402
-from diloco_peer.model import build_model  # noqa: E402
+from diloco_peer.training.model import build_model  # noqa: E402
 
 OFFLINE = ["data.source='stdlib'", "data.tokenizer='bytes'", "model.vocab_size=256", "checkpoint.dir=''"]
 

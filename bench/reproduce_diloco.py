@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from diloco_peer.config import load_config  # noqa: E402
-from diloco_peer.simulate import format_table, plot_runs, pretrain, run_baseline, run_diloco  # noqa: E402
+from diloco_peer.tools.simulate import format_table, plot_runs, pretrain, run_baseline, run_diloco  # noqa: E402
 
 
 def main() -> None:

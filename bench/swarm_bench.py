@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from diloco_peer.netbed import SlowNetwork
+from diloco_peer.tools.netbed import SlowNetwork
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "diloco_peer"]

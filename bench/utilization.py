@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import figure, save  # noqa: E402
 from swarm_bench import run_swarm  # noqa: E402
 
-from diloco_peer.netbed import SlowNetwork, available  # noqa: E402
+from diloco_peer.tools.netbed import SlowNetwork, available  # noqa: E402
 
 
 def main() -> int:

@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from results import figure, save  # noqa: E402
 
-from diloco_peer.netbed import SlowNetwork, available  # noqa: E402
+from diloco_peer.tools.netbed import SlowNetwork, available  # noqa: E402
 
 PEERS = 3
 
@@ -86,9 +86,9 @@ def hivemind_peer(args: argparse.Namespace) -> None:
     import hivemind
     import torch
 
-    from diloco_peer.data import Corpus
-    from diloco_peer.model import build_model
-    from diloco_peer.trainer import lr_factor
+    from diloco_peer.training.data import Corpus
+    from diloco_peer.training.model import build_model
+    from diloco_peer.training.trainer import lr_factor
 
     i, work = args.peer, Path(args.workdir)
     cfg = peer_config(args, i)

@@ -224,7 +224,7 @@ def _check_can_create(path: str, what: str, *, directory: bool) -> None:
 
 def _check_peer(cfg) -> None:
     """What a peer dials, reads and writes, checked before it joins: the daemon would fail only once in the swarm."""
-    from .addresses import check_identity, parse_multiaddr
+    from .swarm.addresses import check_identity, parse_multiaddr
     from .config import DataError
 
     for key in ("host_maddrs", "announce_maddrs", "relays"):
@@ -249,7 +249,7 @@ def _run(args: argparse.Namespace) -> int:
     import uvloop
     from pydantic import ValidationError
 
-    from .addresses import check_identity, parse_multiaddr
+    from .swarm.addresses import check_identity, parse_multiaddr
     from .config import ConfigError, MetricsConfig, load_config
 
     if args.command == "bootstrap":
@@ -270,7 +270,7 @@ def _run(args: argparse.Namespace) -> int:
             check_identity(args.identity)
         if args.address_file:
             _check_can_create(args.address_file, "--address-file", directory=False)
-        from .admission import load_admission
+        from .swarm.admission import load_admission
         from .bootstrap_node import run_bootstrap
 
         load_admission(args.secret_file, [])
@@ -278,7 +278,7 @@ def _run(args: argparse.Namespace) -> int:
                                         args.initial_peer, args.run_id, args.report_every, metrics,
                                         args.address_file, args.secret_file))
     if args.command == "plot":
-        from .report import find_logs, plot_losses
+        from .observe.report import find_logs, plot_losses
 
         try:
             logs = find_logs(args.logs)
@@ -298,14 +298,14 @@ def _run(args: argparse.Namespace) -> int:
             raise ConfigError("keygen needs exactly one of KEY_FILE (an identity) or --secret SECRET_FILE (a swarm "
                               "secret), e.g. diloco-peer keygen ~/.diloco.key")
         if args.secret:
-            from .admission import write_secret
+            from .swarm.admission import write_secret
 
             write_secret(args.secret, args.force)
             print(f"wrote {args.secret} (mode 0600): a new swarm secret; share it with the swarm's members only")
             print(f"use it with: diloco-peer bootstrap ... --secret-file {args.secret}, and "
                   f"diloco-peer join <bootstrap> --secret-file {args.secret}")
             return 0
-        from .addresses import generate_identity
+        from .swarm.addresses import generate_identity
 
         peer_id = generate_identity(args.path, args.force)
         print(f"wrote {args.path} (mode 0600); peer id {peer_id}")
@@ -314,7 +314,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "status":
         for addr in args.bootstrap:
             parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
-        from .admission import load_admission
+        from .swarm.admission import load_admission
         from .bootstrap_node import run_status
 
         load_admission(args.secret_file, [])
@@ -336,7 +336,7 @@ def _run(args: argparse.Namespace) -> int:
             overrides.append("swarm.relay_service=true")
         cfg = load_config(args.config, overrides)
         _check_peer(cfg)
-        from .admission import load_admission
+        from .swarm.admission import load_admission
         from .daemon import PeerDaemon
 
         load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
@@ -344,11 +344,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "simulate":
         cfg = load_config(args.config, overrides)
         _check_can_create(args.out, "--out", directory=True)
-        from .simulate import run_simulate
+        from .tools.simulate import run_simulate
 
         return run_simulate(args, cfg)
     if args.command == "demo":
-        from .demo import check_args, run_demo
+        from .tools.demo import check_args, run_demo
 
         check_args(args)  # config, churn, ports: fail here rather than in N subprocesses
         _check_can_create(args.out, "--out", directory=True)
@@ -370,14 +370,14 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help and --version (0), or a usage error, already printed as one line
         return int(e.code or 0)
     from .config import ConfigError
-    from .environment import check_environment
+    from .config.environment import check_environment
 
     try:
         check_environment(os.environ)  # before hivemind is imported: it reads most of them then
     except ConfigError as e:
         return _fail(e, EXIT_USAGE)
     _setup_logging(args.verbose)
-    from .addresses import BootstrapUnreachable, SwarmError
+    from .swarm.addresses import BootstrapUnreachable, SwarmError
     from .config import DataError
 
     try:

@@ -36,23 +36,23 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from .admission import load_admission
-from .averaging_round import RoundAverager, RoundResult
-from .checkpoint import CheckpointManager, capture, restore
+from .swarm.admission import load_admission
+from .averaging.averager import RoundAverager, RoundResult
+from .state.checkpoint import CheckpointManager, capture, restore
 from .config import PeerConfig
-from .data import Corpus, shard_for_peer
-from .events import EventLog
-from .metrics import MetricsServer, PeerMetrics
-from .model import build_model, num_parameters
-from .outer_optimizer import OuterOptimizer
+from .training.data import Corpus, shard_for_peer
+from .observe.events import EventLog
+from .observe.metrics import MetricsServer, PeerMetrics
+from .training.model import build_model, num_parameters
+from .training.outer_optimizer import OuterOptimizer
 from .overlapped_round import OverlappedRounds
-from .progress import SwarmProgress
-from .reachability import DIRECT, RELAYED, Reach, ReachabilityWatch
+from .swarm.progress import SwarmProgress
+from .swarm.reachability import DIRECT, RELAYED, Reach, ReachabilityWatch
 from .reaper import Reaper, exit_with_children
-from .robust_aggregation import refuse_update
-from .state_sync import StateSync, swarm_target
-from .swarm import join_swarm, visible_addresses
-from .trainer import ComputeThread, Trainer
+from .averaging.robust_aggregation import refuse_update
+from .state.state_sync import StateSync, swarm_target
+from .swarm.join import join_swarm, visible_addresses
+from .training.trainer import ComputeThread, Trainer
 
 logger = logging.getLogger("diloco_peer")
 

@@ -32,9 +32,9 @@ import time
 
 import torch
 
-from .averaging_round import RoundAverager, RoundResult
-from .progress import ReadyDecision, SwarmProgress
-from .robust_aggregation import refuse_update
+from .averaging.averager import RoundAverager, RoundResult
+from .swarm.progress import ReadyDecision, SwarmProgress
+from .averaging.robust_aggregation import refuse_update
 
 logger = logging.getLogger("diloco_peer")
 

@@ -98,7 +98,7 @@ class LocalSwarm:
         return self.spawn(cmd, f"{name}.log", env, netns=netns)
 
     def events(self, name: str) -> list[dict]:
-        from diloco_peer.events import read_events
+        from diloco_peer.observe.events import read_events
 
         return list(read_events(self.workdir / f"{name}.jsonl"))
 

@@ -9,8 +9,8 @@ import asyncio
 import pytest
 import torch
 
-from diloco_peer.averaging_round import RoundAverager
-from diloco_peer.compression import BLOCK
+from diloco_peer.averaging.averager import RoundAverager
+from diloco_peer.averaging.compression import BLOCK
 from diloco_peer.config import AveragingConfig
 
 SHAPES = [torch.Size([257, 31]), torch.Size([1000]), torch.Size([3, 5, 7])]

@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
-from diloco_peer.checkpoint import CheckpointError, CheckpointManager, capture, load_file, restore
+from diloco_peer.state.checkpoint import CheckpointError, CheckpointManager, capture, load_file, restore
 from diloco_peer.config import CheckpointConfig, load_config
-from diloco_peer.data import Corpus
-from diloco_peer.model import build_model, param_sha256
-from diloco_peer.outer_optimizer import OuterOptimizer
-from diloco_peer.trainer import Trainer
+from diloco_peer.training.data import Corpus
+from diloco_peer.training.model import build_model, param_sha256
+from diloco_peer.training.outer_optimizer import OuterOptimizer
+from diloco_peer.training.trainer import Trainer
 
 SETS = ["data.max_bytes=200_000", "data.num_shards=2", "data.shard=0", "outer.inner_steps=3"]
 
@@ -118,7 +118,7 @@ def test_garbage_and_pickles_are_refused(tmp_path):
 
 WRITER = textwrap.dedent("""
     import sys, torch
-    from diloco_peer.checkpoint import CheckpointManager, PeerState
+    from diloco_peer.state.checkpoint import CheckpointManager, PeerState
     from diloco_peer.config import CheckpointConfig
     manager = CheckpointManager(CheckpointConfig(dir=sys.argv[1], keep=2), "victim", "fp")
     epoch = (manager.load_latest() or PeerState("fp", 0, 0, [], [], {}, torch.zeros(1))).epoch

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from diloco_peer import cli
 from diloco_peer.config import PeerConfig
-from diloco_peer.events import EventLog
+from diloco_peer.observe.events import EventLog
 
 PEER_ID = "12D3KooWHQEFuYFG1pGNfSsfDsM5nCiACFRgDLDg5faqtUaKTuzT"
 GOOD_ADDR = f"/ip4/127.0.0.1/tcp/9/p2p/{PEER_ID}"
@@ -108,7 +108,7 @@ def test_bad_environment_variable_is_a_one_line_usage_error(variable, value):
 
 
 def cli_expected(variable: str) -> str:
-    from diloco_peer.environment import ENVIRONMENT
+    from diloco_peer.config.environment import ENVIRONMENT
 
     return ENVIRONMENT[variable][1]
 
@@ -405,7 +405,7 @@ def cli_sandbox(tmp_path_factory) -> Path:
     (root / "empty_dir").mkdir()
     (root / "a_file").write_text("[inner]\nlr = 1e-3\n")
     (root / "garbage.key").write_bytes(b"not a key")
-    from diloco_peer.addresses import generate_identity
+    from diloco_peer.swarm.addresses import generate_identity
 
     generate_identity(str(root / "good.key"))
     (root / "logs").mkdir()
@@ -420,18 +420,18 @@ def cli_sandbox(tmp_path_factory) -> Path:
 def commands_stopped_at_the_network(monkeypatch, cli_sandbox):
     """main() validates for real; what would start a DHT, a swarm or training returns 0 instead."""
     import diloco_peer.bootstrap_node
-    import diloco_peer.demo
-    import diloco_peer.report
-    import diloco_peer.simulate
-    from diloco_peer.events import read_events
+    import diloco_peer.tools.demo
+    import diloco_peer.observe.report
+    import diloco_peer.tools.simulate
+    from diloco_peer.observe.events import read_events
 
     monkeypatch.setitem(sys.modules, "diloco_peer.daemon", types.SimpleNamespace(PeerDaemon=_StartedDaemon))
     monkeypatch.setattr(diloco_peer.bootstrap_node, "run_bootstrap", _started)
     monkeypatch.setattr(diloco_peer.bootstrap_node, "run_status", _started)
-    monkeypatch.setattr(diloco_peer.demo, "run_demo", lambda args: cli.EXIT_OK)
-    monkeypatch.setattr(diloco_peer.simulate, "run_simulate", lambda args, cfg: cli.EXIT_OK)
+    monkeypatch.setattr(diloco_peer.tools.demo, "run_demo", lambda args: cli.EXIT_OK)
+    monkeypatch.setattr(diloco_peer.tools.simulate, "run_simulate", lambda args, cfg: cli.EXIT_OK)
     # the plot reads every event (a bad log fails as it would), then draws nothing
-    monkeypatch.setattr(diloco_peer.report, "plot_losses",
+    monkeypatch.setattr(diloco_peer.observe.report, "plot_losses",
                         lambda logs, png: [list(read_events(p)) for p in logs.values()] and png)
     monkeypatch.chdir(cli_sandbox)
     # main() sets HIVEMIND_LOGLEVEL (DEBUG with -v) for hivemind to read: undone after the test, or the peers

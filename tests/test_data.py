@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diloco_peer.config import load_config
-from diloco_peer.data import Corpus, DataError, shard_for_peer
+from diloco_peer.training.data import Corpus, DataError, shard_for_peer
 
 SMALL = ["data.max_bytes=300_000", "data.seq_len=32"]
 

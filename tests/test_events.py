@@ -1,6 +1,6 @@
 """The per-peer event log and the follower the demo uses for live progress."""
 
-from diloco_peer.events import EventFollower, EventLog, read_events
+from diloco_peer.observe.events import EventFollower, EventLog, read_events
 
 
 def test_follower_sees_only_new_complete_lines(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diloco_peer.config import load_config
-from diloco_peer.model import build_model, param_sha256
+from diloco_peer.training.model import build_model, param_sha256
 
 SMALL = ["model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=64", "model.max_seq_len=32",
          "data.seq_len=32"]

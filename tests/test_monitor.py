@@ -10,8 +10,8 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from diloco_peer.monitor import SwarmMonitor, format_status, summarize
-from diloco_peer.progress import PeerStats, ProgressRecord, SwarmProgress, fetch_progress
+from diloco_peer.observe.monitor import SwarmMonitor, format_status, summarize
+from diloco_peer.swarm.progress import PeerStats, ProgressRecord, SwarmProgress, fetch_progress
 
 RUN = "monitor-test"
 

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 from conftest import diloco_cmd, wait_until
 
-from diloco_peer import netbed
+from diloco_peer.tools import netbed
 
 # the first contact through a relay (dial, two handshakes) can take longer than the FAST 1 s request timeout on
 # two busy cores; a member that gives up while the leader counts it stalls the round (README: NAT section)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from diloco_peer.config import OuterConfig, load_config
-from diloco_peer.model import build_model
-from diloco_peer.outer_optimizer import OuterOptimizer
+from diloco_peer.training.model import build_model
+from diloco_peer.training.outer_optimizer import OuterOptimizer
 
 SMALL = ["model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=64", "model.max_seq_len=32",
          "data.seq_len=32"]

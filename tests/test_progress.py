@@ -12,9 +12,9 @@ from hivemind.dht.schema import SchemaValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from diloco_peer.averaging_round import FAULT_ENV
+from diloco_peer.averaging.averager import FAULT_ENV
 from diloco_peer.config import load_config
-from diloco_peer.progress import (
+from diloco_peer.swarm.progress import (
     MAX_TTL,
     ExpirationCap,
     ProgressRecord,

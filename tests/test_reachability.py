@@ -10,8 +10,8 @@ from test_cli import run_cli
 
 from diloco_peer.bootstrap_node import start_relay
 from diloco_peer.config import SwarmConfig
-from diloco_peer.reachability import ProbeService, free_port_addrs, probe_direct
-from diloco_peer.relay import usable_relays
+from diloco_peer.swarm.reachability import ProbeService, free_port_addrs, probe_direct
+from diloco_peer.swarm.relay import usable_relays
 
 
 def _service(own: list[str]) -> ProbeService:

@@ -8,7 +8,7 @@ import asyncio
 from hivemind.p2p import P2P
 from multiaddr import Multiaddr
 
-from diloco_peer.relay import circuit_limit, limit_text, p2pd_flags, usable_relays
+from diloco_peer.swarm.relay import circuit_limit, limit_text, p2pd_flags, usable_relays
 
 
 def test_limits_in_words():

@@ -11,9 +11,9 @@ import pytest
 import torch
 from hivemind.averaging.load_balancing import load_balance_peers
 
-from diloco_peer.averaging_round import FAULT_ENV, RoundAverager
+from diloco_peer.averaging.averager import FAULT_ENV, RoundAverager
 from diloco_peer.config import AveragingConfig
-from diloco_peer.robust_aggregation import (
+from diloco_peer.averaging.robust_aggregation import (
     BadContribution,
     BanList,
     Limits,

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from diloco_peer.config import ConfigError, InnerConfig, load_config
-from diloco_peer.data import Corpus
-from diloco_peer.model import build_model
-from diloco_peer.trainer import Trainer, lr_factor, pick_device
+from diloco_peer.training.data import Corpus
+from diloco_peer.training.model import build_model
+from diloco_peer.training.trainer import Trainer, lr_factor, pick_device
 
 SMALL = ["data.max_bytes=300_000", "data.seq_len=32", "data.num_shards=2", "model.max_seq_len=32",
          "model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=64", "inner.batch_size=8",
@@ -112,7 +112,7 @@ def test_asking_for_a_missing_gpu_is_a_config_error():
 
 COMPUTE_THREAD_PROBE = """
 import asyncio, threading, torch
-from diloco_peer.trainer import ComputeThread
+from diloco_peer.training.trainer import ComputeThread
 
 async def main():
     compute = ComputeThread(3)

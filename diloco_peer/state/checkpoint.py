@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .config import CheckpointConfig, ConfigError
+from ..config import CheckpointConfig, ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from .config import ConfigError, InnerConfig
+from ..config import ConfigError, InnerConfig
 from .data import Corpus
 
 

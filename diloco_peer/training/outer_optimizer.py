@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import OuterConfig
+from ..config import OuterConfig
 
 
 class OuterOptimizer:

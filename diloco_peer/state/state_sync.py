@@ -45,11 +45,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .averaging_round import FAULT_ENV, PseudoGradientAverager
-from .config import AveragingConfig
-from .model import param_sha256
-from .outer_optimizer import OuterOptimizer
-from .progress import QUORUM, ProgressRecord, quorum_epoch, voters
+from ..averaging.averager import FAULT_ENV, PseudoGradientAverager
+from ..config import AveragingConfig
+from ..training.model import param_sha256
+from ..training.outer_optimizer import OuterOptimizer
+from ..swarm.progress import QUORUM, ProgressRecord, quorum_epoch, voters
 
 logger = logging.getLogger(__name__)
 

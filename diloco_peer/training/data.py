@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DataConfig, DataError
+from ..config import DataConfig, DataError
 
 BLOCK_CHARS = 2048
 

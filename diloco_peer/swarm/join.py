@@ -20,7 +20,7 @@ from multiaddr import Multiaddr
 from . import reachability, relay
 from .addresses import BootstrapUnreachable, SwarmError, parse_multiaddr
 from .admission import load_admission
-from .config import SwarmConfig
+from ..config import SwarmConfig
 from .reachability import DIRECT, OUTBOUND, RELAYED, Reach
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .config import ConfigError
+from ..config import ConfigError
 
 _ITEM = re.compile(r"^(kill|term|join):(\d+)@round(\d+)$")
 

@@ -33,7 +33,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, AuthorizerBase
 from hivemind.utils.timed_storage import get_dht_time
 
-from .config import ConfigError
+from ..config import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -40,13 +40,13 @@ from pathlib import Path
 
 import torch
 
-from .compression import ErrorFeedback, get_codec
-from .config import PeerConfig
-from .data import Corpus
-from .model import build_model
-from .outer_optimizer import OuterOptimizer
-from .report import save_figure
-from .trainer import Trainer
+from ..averaging.compression import ErrorFeedback, get_codec
+from ..config import PeerConfig
+from ..training.data import Corpus
+from ..training.model import build_model
+from ..training.outer_optimizer import OuterOptimizer
+from ..observe.report import save_figure
+from ..training.trainer import Trainer
 
 
 @dataclass

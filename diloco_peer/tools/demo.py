@@ -26,10 +26,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .churn import ChurnAction, due, effects, parse_churn
-from .config import ConfigError, PeerConfig, load_config
-from .events import EventFollower, read_events
+from ..config import ConfigError, PeerConfig, load_config
+from ..observe.events import EventFollower, read_events
 from .netbed import EmulatedInternet, available
-from .report import format_table, plot_losses, summarize
+from ..observe.report import format_table, plot_losses, summarize
 
 POLL_SECONDS = 0.5
 

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-from . import __version__
-from .config import ConfigError, MetricsConfig
-from .reachability import MODES
-from .robust_aggregation import OFFENSE_KINDS
+from .. import __version__
+from ..config import ConfigError, MetricsConfig
+from ..swarm.reachability import MODES
+from ..averaging.robust_aggregation import OFFENSE_KINDS
 
 if TYPE_CHECKING:
     from .monitor import SwarmMonitor

@@ -46,7 +46,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint, constr
 
-from .averaging_round import FAULT_ENV
+from ..averaging.averager import FAULT_ENV
 
 logger = logging.getLogger(__name__)
 

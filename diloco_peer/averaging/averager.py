@@ -34,10 +34,10 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
 from hivemind.utils.streaming import combine_from_streaming
 
-from .admission import Admission
+from ..swarm.admission import Admission
 from .allreduce import FAILED_VALUES, RECEIVED, RELAYED, SENT, TRANSFER_US, ExactAllReduceRunner
 from .compression import ErrorFeedback, WireCompression, deserialize, get_codec
-from .config import AveragingConfig
+from ..config import AveragingConfig
 from .robust_aggregation import BanList, Limits, capped_bandwidths
 
 logger = logging.getLogger(__name__)

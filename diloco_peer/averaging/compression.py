@@ -114,7 +114,7 @@ CODECS = {
 
 def get_codec(name: str) -> Codec:
     if name not in CODECS:
-        from .config import ConfigError
+        from ..config import ConfigError
 
         raise ConfigError(f"unknown codec '{name}': use one of {', '.join(CODECS)}")
     return CODECS[name]

@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info, generate_latest
 
-from . import __version__
-from .progress import ProgressRecord, quorum_epoch
-from .reachability import MODES
-from .state_sync import swarm_target
+from .. import __version__
+from ..swarm.progress import ProgressRecord, quorum_epoch
+from ..swarm.reachability import MODES
+from ..state.state_sync import swarm_target
 
 STATES = ("joining", "training", "waiting", "averaging", "leaving")
 

@@ -11,7 +11,8 @@ import logging
 import re
 from collections.abc import Mapping
 
-from .config import ConfigError, _shorten
+from .loading import _shorten
+from .schema import ConfigError
 
 
 def _is_int_at_least(low: int):

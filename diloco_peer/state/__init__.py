@@ -1,0 +1,7 @@
+"""The peer's state outside a round: downloading the swarm's state, and checkpoints on disk.
+
+Owns: state sync, by which a newcomer or a peer that fell behind downloads the swarm's outer weights,
+momentum and epoch from verified donors (``state_sync.py``), and atomic checkpoints written in the
+background and resumed from (``checkpoint.py``).
+Imports: ``config``, ``training``, ``swarm`` and ``averaging``; never ``observe`` or above.
+"""

@@ -1,0 +1,8 @@
+"""The swarm: how a peer finds the others and what it tells them.
+
+Owns: joining the DHT through bootstrap nodes (``join.py``) with a checked identity and addresses
+(``addresses.py``), admission to a closed swarm (``admission.py``), the signed progress records, the
+round gate and the swarm's consensus on epoch and state (``progress.py``), and how others reach us:
+reachability probes (``reachability.py``) and circuit relays (``relay.py``).
+Imports: ``config`` only (and hivemind); never training, averaging, state or anything above.
+"""
