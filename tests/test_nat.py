@@ -19,7 +19,7 @@ from conftest import diloco_cmd, wait_until
 from diloco_peer.tools import netbed
 
 # the first contact through a relay (dial, two handshakes) can take longer than the FAST 1 s request timeout on
-# two busy cores; a member that gives up while the leader counts it stalls the round (README: NAT section)
+# two busy cores; a member that gives up while the leader counts it stalls the round (docs/nat.md, troubleshooting)
 RELAYED = ["averaging.request_timeout=2.0", "averaging.matchmaking_time=3.0"]
 NAT = ["run.max_rounds=3", "averaging.min_peers=2", *RELAYED]
 DEAD_RELAY = "/ip4/10.78.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # nobody listens there
