@@ -1,3 +1,5 @@
+"""``python -m diloco_peer``: the ``diloco-peer`` command, for when its script is not on PATH."""
+
 import sys
 
 from .cli import main

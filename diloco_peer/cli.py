@@ -1,4 +1,5 @@
-"""``diloco-peer``: the command line. Parse, validate, hand over; errors become one line and an exit code.
+"""``diloco-peer``: the command line. Parse, hand over to the command (``commands.py``); errors become one
+line and an exit code.
 
     diloco-peer bootstrap --identity ./boot.key --listen /ip4/0.0.0.0/tcp/31337
     diloco-peer join /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW... [--config tiny-cpu] [--set inner.lr=3e-4 ...]
@@ -13,16 +14,15 @@ error is one line on stderr, ``diloco-peer: error: ...``, naming the bad value a
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
 import re
 import sys
-from pathlib import Path
 from typing import NoReturn
 
 from . import __version__
+from .commands import COMMANDS, quote
 
 # Distinct, so that a supervisor (systemd, docker) can restart on 1 and 3 but not loop on 2.
 EXIT_OK = 0
@@ -49,11 +49,6 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
-def _quote(text: str) -> str:
-    """A bad value as errors show it: quoted, and cut short if it is long."""
-    return repr(text) if len(text) <= 60 else f"{text[:60]!r}... ({len(text)} characters)"
-
-
 def _bounded(kind: type, low: float, *, above: bool = False, what: str):
     """An argparse type: a finite ``kind`` that is >= ``low`` (> with ``above``); nan and inf are refused."""
 
@@ -63,7 +58,7 @@ def _bounded(kind: type, low: float, *, above: bool = False, what: str):
         except ValueError:
             value = None
         if value is None or not math.isfinite(value) or value < low or (above and value == low):
-            raise argparse.ArgumentTypeError(f"{_quote(text)} is not {what}")
+            raise argparse.ArgumentTypeError(f"{quote(text)} is not {what}")
         return value
 
     return parse
@@ -80,25 +75,21 @@ def _name(text: str) -> str:
     from .config import NAME_PATTERN
 
     if not re.fullmatch(NAME_PATTERN, text):
-        raise argparse.ArgumentTypeError(f"{_quote(text)} is not a name: use 1-64 letters, digits, '_', '.' or '-', "
+        raise argparse.ArgumentTypeError(f"{quote(text)} is not a name: use 1-64 letters, digits, '_', '.' or '-', "
                                          f"starting with a letter or digit")
     return text
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    """``--config`` and ``--set``, for the commands that load a peer config."""
     parser.add_argument("--config", default=None, metavar="FILE|NAME",
                         help="TOML config: a file or a shipped name (tiny-cpu, llama-150m, llama-1b); default tiny-cpu")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config value, TOML syntax, e.g. --set inner.lr=3e-4 (repeatable)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="diloco-peer", description="Peer-to-peer DiLoCo training on hivemind.", epilog=EXIT_CODES,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (hivemind included)")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_bootstrap(sub) -> None:
+    """``bootstrap``: a bootstrap node's addresses, identity, run, secret, summaries and metrics."""
     boot = sub.add_parser("bootstrap", help="run a bootstrap node that peers dial first")
     boot.add_argument("--identity", default="", metavar="KEY_FILE",
                       help="private key file for a stable peer id, created if missing, e.g. ./boot.key")
@@ -112,7 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--secret-file", default="", metavar="FILE", help=SECRET_FILE_HELP)
     boot.add_argument("--report-every", type=_SECONDS, default=30.0, metavar="SECONDS",
                       help="seconds between swarm summaries in the log (default 30)")
-
     boot.add_argument("--address-file", default="", metavar="PATH",
                       help="also write the join address to this file (for containers that start peers from it)")
     boot.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
@@ -120,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                       help="interface for --metrics-port (default 127.0.0.1; 0.0.0.0 for a remote Prometheus)")
 
+
+def _add_keygen(sub) -> None:
+    """``keygen``: an identity key file, or with ``--secret`` a swarm secret."""
     keygen = sub.add_parser("keygen", help="create an identity key file (a stable peer id) and print its peer id, "
                                            "or with --secret a swarm secret")
     keygen.add_argument("path", nargs="?", metavar="KEY_FILE",
@@ -128,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="instead, write a new random swarm secret (mode 0600) to share with the swarm's members")
     keygen.add_argument("--force", action="store_true", help="replace an existing file")
 
+
+def _add_status(sub) -> None:
+    """``status``: which swarm to look at, and how."""
     status = sub.add_parser("status", help="print the swarm's peers, states, losses and throughput")
     status.add_argument("bootstrap", nargs="+", metavar="BOOTSTRAP_MULTIADDR", help="a bootstrap node's address")
     status.add_argument("--run-id", type=_name, default="diloco-tiny", help="the run to show (default diloco-tiny)")
@@ -136,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--wait", type=_SECONDS_OR_ZERO, default=10.0, metavar="SECONDS",
                         help="how long to look for records before reporting an empty swarm (default 10)")
 
+
+def _add_join(sub) -> None:
+    """``join``: the bootstrap addresses, the config, and flags that set the config's swarm keys."""
     join = sub.add_parser("join", help="join a swarm and train")
     join.add_argument("bootstrap", nargs="+", metavar="BOOTSTRAP_MULTIADDR",
                       help="address printed by a bootstrap node, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...")
@@ -156,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--relay", action="store_true",
                       help="when directly reachable, relay for peers behind NAT; sets swarm.relay_service")
 
+
+def _add_demo(sub) -> None:
+    """``demo``: the local swarm's size and length, its outputs, churn, metrics ports, NAT and time limit."""
     demo = sub.add_parser("demo", help="run a local swarm (bootstrap + N peers as subprocesses) and summarise it")
     _add_config_args(demo)
     demo.add_argument("--peers", type=_COUNT, default=3, help="number of peers (default 3)")
@@ -173,10 +175,17 @@ def build_parser() -> argparse.ArgumentParser:
                            "public network (needs root: network namespaces, iptables)")
     demo.add_argument("--timeout", type=_SECONDS, default=900.0, metavar="SECONDS",
                       help="give up if the swarm has not finished after this long (default 900)")
+
+
+def _add_plot(sub) -> None:
+    """``plot``: which event logs, and the PNG to draw them into."""
     plot = sub.add_parser("plot", help="plot loss and throughput from peers' event logs into a PNG")
     plot.add_argument("logs", nargs="+", metavar="LOG_OR_DIR", help="runs/<peer>.jsonl files, or directories of them")
     plot.add_argument("--out", default="plot.png", metavar="PNG", help="the PNG to write (default plot.png)")
 
+
+def _add_simulate(sub) -> None:
+    """``simulate``: K, the rounds, the codec and overlap under test, baselines, warm start and outputs."""
     sim = sub.add_parser("simulate", help="K DiLoCo replicas in one process (no network) against the baselines")
     _add_config_args(sim)
     sim.add_argument("--replicas", type=_COUNT, default=4, help="K, the number of DiLoCo replicas (default 4)")
@@ -193,172 +202,29 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default 0: from scratch)")
     sim.add_argument("--out", default="runs/simulate", metavar="DIR",
                      help="directory for simulate.json and eval_loss.png (default runs/simulate)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: global flags, then one sub-parser per command, in ``--help``'s order."""
+    parser = _Parser(prog="diloco-peer", description="Peer-to-peer DiLoCo training on hivemind.", epilog=EXIT_CODES,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (hivemind included)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_bootstrap, _add_keygen, _add_status, _add_join, _add_demo, _add_plot, _add_simulate):
+        add(sub)
     return parser
 
 
 def _setup_logging(verbose: bool) -> None:
+    """Our INFO lines on stdout; hivemind's own level through the variable it reads when it is imported."""
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "DEBUG" if verbose else "WARNING")
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
 
 
-def _check_can_create(path: str, what: str, *, directory: bool) -> None:
-    """Fail now, in one line, where writing ``path`` would fail later: after minutes of work, or once the
-    peer is in the swarm. Creates the directory (for a file: its parent), as the command would anyway."""
-    from .config import ConfigError
-
-    if "\x00" in path:
-        raise ConfigError(f"{what} {_quote(path)} contains a NUL character: remove it")
-    target = Path(path)
-    try:
-        if not directory and target.is_dir():
-            raise ConfigError(f"{what} {_quote(path)} is a directory: give a file name")
-        folder = target if directory else target.parent
-        folder.mkdir(parents=True, exist_ok=True)
-        writable = os.access(folder, os.W_OK | os.X_OK)
-    except OSError as e:
-        raise ConfigError(f"{what} {_quote(path)} cannot be created ({e.strerror}): choose another path") from None
-    if not writable:
-        raise ConfigError(f"{what} {_quote(path)} is not writable: choose another path")
-
-
-def _check_peer(cfg) -> None:
-    """What a peer dials, reads and writes, checked before it joins: the daemon would fail only once in the swarm."""
-    from .swarm.addresses import check_identity, parse_multiaddr
-    from .config import DataError
-
-    for key in ("host_maddrs", "announce_maddrs", "relays"):
-        for addr in getattr(cfg.swarm, key):
-            parse_multiaddr(addr, need_peer_id=key == "relays", what=f"swarm.{key} address")
-    if cfg.swarm.identity_path:
-        check_identity(cfg.swarm.identity_path)
-    _check_can_create(cfg.run.log_dir, "run.log_dir", directory=True)
-    if cfg.checkpoint.dir:
-        _check_can_create(cfg.checkpoint.dir, "checkpoint.dir", directory=True)
-    for raw in cfg.data.paths if cfg.data.source == "files" else []:
-        try:
-            found = Path(raw).is_file()
-        except OSError:  # e.g. a name too long for the file system
-            found = False
-        if not found:
-            raise DataError(f"data file {_quote(raw)} does not exist: fix data.paths")
-
-
-def _run(args: argparse.Namespace) -> int:
-    # heavy imports (torch, hivemind) only once the command line is checked: a typo is a one-line error at once
-    import uvloop
-    from pydantic import ValidationError
-
-    from .swarm.addresses import check_identity, parse_multiaddr
-    from .config import ConfigError, MetricsConfig, load_config
-
-    if args.command == "bootstrap":
-        # all checked before the DHT starts: a bad address or path is one line, with nothing to tear down
-        for flag, addrs in (("--listen", args.listen), ("--announce", args.announce)):
-            for addr in addrs:
-                parse_multiaddr(addr, need_peer_id=False, what=f"{flag} address")
-        for addr in args.initial_peer:
-            parse_multiaddr(addr, need_peer_id=True, what="--initial-peer address")
-        if not 0 <= args.metrics_port <= 65535:
-            raise ConfigError(f"--metrics-port {args.metrics_port} is not a TCP port: use 1-65535, or 0 for none")
-        try:
-            metrics = MetricsConfig(port=args.metrics_port, host=args.metrics_host)
-        except ValidationError as e:
-            reason = e.errors()[0]["msg"].removeprefix("Value error, ")
-            raise ConfigError(f"bad --metrics-host {_quote(args.metrics_host)}: {reason}") from None
-        if args.identity:
-            check_identity(args.identity)
-        if args.address_file:
-            _check_can_create(args.address_file, "--address-file", directory=False)
-        from .swarm.admission import load_admission
-        from .bootstrap_node import run_bootstrap
-
-        load_admission(args.secret_file, [])
-        return uvloop.run(run_bootstrap(args.listen or ["/ip4/0.0.0.0/tcp/0"], args.announce, args.identity,
-                                        args.initial_peer, args.run_id, args.report_every, metrics,
-                                        args.address_file, args.secret_file))
-    if args.command == "plot":
-        from .observe.report import find_logs, plot_losses
-
-        try:
-            logs = find_logs(args.logs)
-        except OSError as e:  # find_logs' own errors say what to give; others come from the file system
-            raise ConfigError(str(e) if e.errno is None else f"cannot read {_quote(str(e.filename))} ({e.strerror}): "
-                              f"give event logs (runs/<peer>.jsonl) or their directory") from None
-        _check_can_create(args.out, "--out", directory=False)
-        try:
-            png = plot_losses(logs, Path(args.out))
-        except (ValueError, KeyError, TypeError) as e:  # a line that is no JSON, or JSON that is no event
-            raise ConfigError(f"cannot plot {_quote(' '.join(map(str, logs.values())))}: not diloco-peer event "
-                              f"logs ({type(e).__name__}: {_quote(str(e))}): give runs/<peer>.jsonl files") from None
-        print(f"wrote {png} ({len(logs)} peers: {', '.join(logs)})")
-        return 0
-    if args.command == "keygen":
-        if bool(args.path) == bool(args.secret):
-            raise ConfigError("keygen needs exactly one of KEY_FILE (an identity) or --secret SECRET_FILE (a swarm "
-                              "secret), e.g. diloco-peer keygen ~/.diloco.key")
-        if args.secret:
-            from .swarm.admission import write_secret
-
-            write_secret(args.secret, args.force)
-            print(f"wrote {args.secret} (mode 0600): a new swarm secret; share it with the swarm's members only")
-            print(f"use it with: diloco-peer bootstrap ... --secret-file {args.secret}, and "
-                  f"diloco-peer join <bootstrap> --secret-file {args.secret}")
-            return 0
-        from .swarm.addresses import generate_identity
-
-        peer_id = generate_identity(args.path, args.force)
-        print(f"wrote {args.path} (mode 0600); peer id {peer_id}")
-        print(f"use it with: diloco-peer join <bootstrap> --identity {args.path}")
-        return 0
-    if args.command == "status":
-        for addr in args.bootstrap:
-            parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
-        from .swarm.admission import load_admission
-        from .bootstrap_node import run_status
-
-        load_admission(args.secret_file, [])
-        return uvloop.run(run_status(args.bootstrap, args.run_id, args.json, args.wait, args.secret_file))
-    overrides = list(args.overrides)
-    if args.command == "join":
-        for addr in args.bootstrap:
-            parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
-        if args.identity is not None:
-            overrides.append(f"swarm.identity_path={json.dumps(args.identity)}")
-        if args.secret_file is not None:
-            overrides.append(f"swarm.secret_file={json.dumps(args.secret_file)}")
-        for flag, key in (("listen", "host_maddrs"), ("announce", "announce_maddrs")):
-            if getattr(args, flag) is not None:
-                overrides.append(f"swarm.{key}={json.dumps(getattr(args, flag))}")
-        if args.reachability is not None:
-            overrides.append(f"swarm.reachability={json.dumps(args.reachability)}")
-        if args.relay:
-            overrides.append("swarm.relay_service=true")
-        cfg = load_config(args.config, overrides)
-        _check_peer(cfg)
-        from .swarm.admission import load_admission
-        from .daemon import PeerDaemon
-
-        load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
-        return uvloop.run(PeerDaemon(cfg, args.bootstrap, args.name or "").run())
-    if args.command == "simulate":
-        cfg = load_config(args.config, overrides)
-        _check_can_create(args.out, "--out", directory=True)
-        from .tools.simulate import run_simulate
-
-        return run_simulate(args, cfg)
-    if args.command == "demo":
-        from .tools.demo import check_args, run_demo
-
-        check_args(args)  # config, churn, ports: fail here rather than in N subprocesses
-        _check_can_create(args.out, "--out", directory=True)
-        if args.summary_json:
-            _check_can_create(args.summary_json, "--summary-json", directory=False)
-        return run_demo(args)
-    raise AssertionError(args.command)
-
-
 def _fail(error: Exception, code: int) -> int:
+    """Print ``error`` as the one line every error is, and return the exit code ``code``."""
     print(f"diloco-peer: error: {' '.join(str(error).splitlines())}", file=sys.stderr)
     return code
 
@@ -381,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     from .config import DataError
 
     try:
-        return _run(args)
+        return COMMANDS[args.command](args)
     except (ConfigError, DataError) as e:
         return _fail(e, EXIT_USAGE)
     except BootstrapUnreachable as e:

@@ -28,6 +28,8 @@ _ITEM = re.compile(r"^(kill|term|join):(\d+)@round(\d+)$")
 
 @dataclass
 class ChurnAction:
+    """One item of a churn schedule (``kill:2@round2``): what to do to how many peers at which round."""
+
     spec: str
     action: str
     count: int

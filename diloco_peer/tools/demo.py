@@ -35,10 +35,12 @@ POLL_SECONDS = 0.5
 
 
 def _python_cmd(*args: str) -> list[str]:
+    """``diloco-peer ARGS`` as this Python runs it: the demo's processes use this very install."""
     return [sys.executable, "-m", "diloco_peer", *args]
 
 
 def _stop(proc: subprocess.Popen, grace: float = 15.0) -> int | None:
+    """SIGTERM ``proc`` if it still runs, SIGKILL it after ``grace`` seconds; its exit code."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -50,6 +52,7 @@ def _stop(proc: subprocess.Popen, grace: float = 15.0) -> int | None:
 
 
 def _wait_for_join_line(log: Path, proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    """The address in the bootstrap node's ``diloco-peer join ADDRESS`` line, once it is in ``log``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for line in log.read_text().splitlines():
@@ -62,6 +65,7 @@ def _wait_for_join_line(log: Path, proc: subprocess.Popen, timeout: float = 60.0
 
 
 def _tail(path: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a log, for the error that says a peer failed."""
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
@@ -77,6 +81,7 @@ class _Progress:
         self.seen: dict[int, list[dict]] = {}
 
     def update(self, new_rounds: list[dict], live: int) -> None:
+        """Count peers' new ``round`` events; ``live`` is how many peers run now."""
         for r in new_rounds:
             self.seen.setdefault(r["round"], []).append(r)
             self.bar.update(1)
@@ -88,9 +93,11 @@ class _Progress:
                       f"{sorted({x['group_size'] for x in rows})}, eval loss {r['eval_loss']:.4f}", flush=True)
 
     def note(self, line: str) -> None:
+        """Print a line without breaking the bar."""
         self.bar.write(line) if not self.bar.disable else print(line, flush=True)
 
     def close(self) -> None:
+        """Close the bar (before lines that follow it)."""
         self.bar.close()
 
 
@@ -126,137 +133,164 @@ def check_args(args) -> tuple[PeerConfig, list[ChurnAction]]:
     return cfg, actions
 
 
-def run_demo(args) -> int:
-    cfg, actions = check_args(args)
-    out = Path(args.out)
-    if out.exists():
-        for old in [*out.glob("*.jsonl"), *out.glob("*.log"), *out.glob("*.key")]:
-            old.unlink()
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a demo starts from scratch
-    out.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // args.peers)
-    started = time.monotonic()
-    boot_log = out / "bootstrap.log"
-    procs: dict[str, subprocess.Popen] = {}
-    logs: dict[str, Path] = {}
-    removed: set[str] = set()  # peers the churn schedule killed or stopped
-    print(f"demo: 1 bootstrap + {args.peers} peers, {args.rounds} outer rounds of H={cfg.outer.inner_steps} inner "
-          f"steps, config {args.config or 'tiny-cpu'}; logs in {out}/", flush=True)
-    net = None
-    if args.nat:  # one home per peer, joiners of the churn schedule included
-        net = EmulatedInternet(args.peers + sum(a.count for a in actions if a.action == "join")).__enter__()
-        print(f"demo: emulated internet: bootstrap on the public network at {net.public_address}, each peer "
-              f"behind its own NAT router (no port forwarding)", flush=True)
+class _LocalSwarm:
+    """The demo's processes: one bootstrap node and peers ``peer-0``, ``peer-1``, ... (each in its own home
+    behind a NAT router when ``net``, an ``EmulatedInternet``, is given), and what the churn schedule did
+    to them."""
 
-    def where(i: int | None, cmd: list[str]) -> list[str]:  # peer i's home (None: the public network)
+    def __init__(self, args, cfg: PeerConfig, out: Path):
+        self.args, self.cfg, self.out = args, cfg, out
+        self.started = time.monotonic()
+        self.threads = max(1, (os.cpu_count() or 1) // args.peers)
+        self.net: EmulatedInternet | None = None
+        self.bootstrap: subprocess.Popen | None = None
+        self.address = ""
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+        self.followers: list[EventFollower] = []
+        self.removed: set[str] = set()  # peers the churn schedule killed or stopped
+        self.contributed: set[str] = set()  # peers that finished a round: the churn schedule removes them first
+
+    def _where(self, i: int | None, cmd: list[str]) -> list[str]:
+        """``cmd`` run in peer i's home (None: the public network), or as it is without ``--nat``."""
+        net = self.net
         return cmd if net is None else net.command(net.public if i is None else net.home(i + 1), cmd)
 
-    listen = f"/ip4/{net.public_address}/tcp/31337" if net else "/ip4/127.0.0.1/tcp/0"
-    with boot_log.open("w") as boot_out:
-        bootstrap = subprocess.Popen(
-            where(None, _python_cmd("bootstrap", "--listen", listen, "--run-id", cfg.run.run_id, "--report-every",
-                                    "10", *(["--metrics-port", str(args.metrics_port_base)]
-                                            if args.metrics_port_base else []))),
-            stdout=boot_out, stderr=subprocess.STDOUT,
-        )
+    def start_bootstrap(self) -> None:
+        """Start the bootstrap node and wait for the join address it prints."""
+        args, log = self.args, self.out / "bootstrap.log"
+        listen = f"/ip4/{self.net.public_address}/tcp/31337" if self.net else "/ip4/127.0.0.1/tcp/0"
+        metrics = ["--metrics-port", str(args.metrics_port_base)] if args.metrics_port_base else []
+        with log.open("w") as boot_out:
+            self.bootstrap = subprocess.Popen(
+                self._where(None, _python_cmd("bootstrap", "--listen", listen, "--run-id", self.cfg.run.run_id,
+                                              "--report-every", "10", *metrics)),
+                stdout=boot_out, stderr=subprocess.STDOUT,
+            )
+        self.address = _wait_for_join_line(log, self.bootstrap)
+        print(f"demo: bootstrap node at {self.address}", flush=True)
+        if args.metrics_port_base:
+            print(f"demo: metrics on http://127.0.0.1:{args.metrics_port_base}/metrics (swarm) and ports "
+                  f"{args.metrics_port_base + 1}.. (peer i on {args.metrics_port_base}+1+i)", flush=True)
 
-    def start_peer(index: int) -> None:
-        name = f"peer-{index}"
+    def start_peer(self, index: int) -> None:
+        """Start ``peer-<index>``: ``diloco-peer join`` with its own data shard, logs and metrics port."""
+        args, out, name = self.args, self.out, f"peer-{index}"
         # one shard per peer: each reads 1/N of the corpus rather than 1/64th of it
-        sets = [f"data.num_shards={args.peers}", f"data.shard={index % args.peers}", f"run.threads={threads}",
+        sets = [f"data.num_shards={args.peers}", f"data.shard={index % args.peers}", f"run.threads={self.threads}",
                 f"averaging.min_peers={args.peers}", *args.overrides,
                 f"run.max_rounds={args.rounds}", f"run.log_dir={json.dumps(str(out))}",
                 f"checkpoint.dir={json.dumps(str(out / 'checkpoints'))}"]
         if args.metrics_port_base:
             sets.append(f"metrics.port={args.metrics_port_base + 1 + index}")
-        cmd = _python_cmd("join", address, "--name", name, *(["--config", args.config] if args.config else []))
+        cmd = _python_cmd("join", self.address, "--name", name, *(["--config", args.config] if args.config else []))
         for item in sets:
             cmd += ["--set", item]
         with (out / f"{name}.log").open("w") as peer_out:
-            procs[name] = subprocess.Popen(where(index, cmd), stdout=peer_out, stderr=subprocess.STDOUT)
-        logs[name] = out / f"{name}.jsonl"
-        followers.append(EventFollower(logs[name]))
+            self.procs[name] = subprocess.Popen(self._where(index, cmd), stdout=peer_out, stderr=subprocess.STDOUT)
+        self.logs[name] = out / f"{name}.jsonl"
+        self.followers.append(EventFollower(self.logs[name]))
 
-    def fire(action: ChurnAction) -> None:
-        action.fired_seconds = time.monotonic() - started
+    def fire(self, action: ChurnAction) -> None:
+        """Carry out one churn item: start new peers, or kill or stop running ones."""
+        action.fired_seconds = time.monotonic() - self.started
         if action.action == "join":
             for _ in range(action.count):
-                start_peer(len(procs))
-                action.peers.append(f"peer-{len(procs) - 1}")
-        else:
-            # the highest-numbered running peers of those started at the beginning and already training
-            # (joiners only when no such peer is left: removing a newcomer shows nothing)
-            running = [n for n in procs if n not in removed and procs[n].poll() is None]
-            ranked = sorted(running, key=lambda n: (int(n.split("-")[1]) < args.peers, n in contributed,
-                                                    int(n.split("-")[1])))
-            action.peers = ranked[-action.count:]
-            for name in action.peers:
-                procs[name].send_signal(signal.SIGKILL if action.action == "kill" else signal.SIGTERM)
-                removed.add(name)
-        progress.note(f"churn {action.spec}: {action.action} {', '.join(action.peers)}")
+                self.start_peer(len(self.procs))
+                action.peers.append(f"peer-{len(self.procs) - 1}")
+            return
+        # the highest-numbered running peers of those started at the beginning and already training
+        # (joiners only when no such peer is left: removing a newcomer shows nothing)
+        running = [n for n in self.procs if n not in self.removed and self.procs[n].poll() is None]
+        ranked = sorted(running, key=lambda n: (int(n.split("-")[1]) < self.args.peers, n in self.contributed,
+                                                int(n.split("-")[1])))
+        action.peers = ranked[-action.count:]
+        for name in action.peers:
+            self.procs[name].send_signal(signal.SIGKILL if action.action == "kill" else signal.SIGTERM)
+            self.removed.add(name)
 
-    followers: list[EventFollower] = []
-    averaging_epochs: set[int] = set()
-    contributed: set[str] = set()
-    try:
-        address = _wait_for_join_line(boot_log, bootstrap)
-        print(f"demo: bootstrap node at {address}", flush=True)
-        if args.metrics_port_base:
-            print(f"demo: metrics on http://127.0.0.1:{args.metrics_port_base}/metrics (swarm) and ports "
-                  f"{args.metrics_port_base + 1}.. (peer i on {args.metrics_port_base}+1+i)", flush=True)
-        for i in range(args.peers):
-            start_peer(i)
-        progress = _Progress(args.peers, args.rounds)
-        while True:
-            for follower in list(followers):
-                new = follower.new_events()
-                averaging_epochs.update(e["epoch"] for e in new if e["event"] == "averaging")
-                contributed.update(e["peer"] for e in new if e["event"] == "round")
-                progress.update([e for e in new if e["event"] == "round"],
-                                live=sum(n not in removed and p.poll() is None for n, p in procs.items()))
-            for action in due(actions, averaging_epochs):
-                fire(action)
-            failed = {n: p.returncode for n, p in procs.items() if p.poll() not in (None, 0) and n not in removed}
-            if failed:
-                name, code = next(iter(failed.items()))
-                progress.close()
-                print(f"demo: {name} exited with code {code}; its last log lines:\n{_tail(out / f'{name}.log')}",
-                      file=sys.stderr)
-                return 1
-            if all(p.poll() is not None for p in procs.values()) and all(a.fired_seconds for a in actions):
-                break
-            if all(p.poll() is not None for p in procs.values()):
-                missed = ", ".join(a.spec for a in actions if a.fired_seconds is None)
-                print(f"demo: the swarm finished before churn items {missed} could fire", file=sys.stderr)
-                break
-            if time.monotonic() - started > args.timeout:
-                progress.close()
-                print(f"demo: the swarm did not finish within --timeout {args.timeout:.0f}s; logs in {out}/",
-                      file=sys.stderr)
-                return 1
-            time.sleep(POLL_SECONDS)
-        progress.close()
-    except KeyboardInterrupt:
-        print("demo: interrupted, stopping the swarm", file=sys.stderr)
-        return 130
-    finally:
-        for proc in [*procs.values(), bootstrap]:
+    def live(self) -> int:
+        """How many peers are running, not counting those the churn schedule removed."""
+        return sum(n not in self.removed and p.poll() is None for n, p in self.procs.items())
+
+    def failed(self) -> dict[str, int]:
+        """Peers that exited with an error, other than those the churn schedule removed: name -> exit code."""
+        return {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0) and n not in self.removed}
+
+    def finished(self) -> bool:
+        """Whether every peer has exited."""
+        return all(p.poll() is not None for p in self.procs.values())
+
+    def stop(self) -> None:
+        """Stop every process that still runs, then take the emulated internet down."""
+        for proc in [*self.procs.values(), *([self.bootstrap] if self.bootstrap else [])]:
             _stop(proc)
-        if net is not None:
-            net.close()
+        if self.net is not None:
+            self.net.close()
 
-    exit_codes = {n: p.returncode for n, p in procs.items()}
-    finishers = [n for n in logs if n not in removed]
-    summary = summarize(logs, time.monotonic() - started, exit_codes, finishers)
+
+def _clear(out: Path) -> None:
+    """Empty ``--out`` of an earlier demo's logs, keys and checkpoints: a demo starts from scratch."""
+    if out.exists():
+        for old in [*out.glob("*.jsonl"), *out.glob("*.log"), *out.glob("*.key")]:
+            old.unlink()
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _follow(swarm: _LocalSwarm, actions: list[ChurnAction], progress: _Progress) -> int | None:
+    """Follow the peers' event logs until every peer has exited, showing progress and firing churn items as
+    their rounds begin averaging; 1 once a peer failed or ``--timeout`` passed, None when the swarm is done."""
+    args = swarm.args
+    averaging_epochs: set[int] = set()
+    while True:
+        for follower in list(swarm.followers):
+            new = follower.new_events()
+            averaging_epochs.update(e["epoch"] for e in new if e["event"] == "averaging")
+            swarm.contributed.update(e["peer"] for e in new if e["event"] == "round")
+            progress.update([e for e in new if e["event"] == "round"], live=swarm.live())
+        for action in due(actions, averaging_epochs):
+            swarm.fire(action)
+            progress.note(f"churn {action.spec}: {action.action} {', '.join(action.peers)}")
+        failed = swarm.failed()
+        if failed:
+            name, code = next(iter(failed.items()))
+            progress.close()
+            print(f"demo: {name} exited with code {code}; its last log lines:\n{_tail(swarm.out / f'{name}.log')}",
+                  file=sys.stderr)
+            return 1
+        if swarm.finished() and all(a.fired_seconds for a in actions):
+            break
+        if swarm.finished():
+            missed = ", ".join(a.spec for a in actions if a.fired_seconds is None)
+            print(f"demo: the swarm finished before churn items {missed} could fire", file=sys.stderr)
+            break
+        if time.monotonic() - swarm.started > args.timeout:
+            progress.close()
+            print(f"demo: the swarm did not finish within --timeout {args.timeout:.0f}s; logs in {swarm.out}/",
+                  file=sys.stderr)
+            return 1
+        time.sleep(POLL_SECONDS)
+    progress.close()
+    return None
+
+
+def _report(args, swarm: _LocalSwarm, actions: list[ChurnAction]) -> int:
+    """Summarise the finished swarm: write the summary JSON and the loss plot, print the per-round table,
+    the churn items' effects and each peer's reachability; 0 if the swarm completed every round."""
+    logs = swarm.logs
+    exit_codes = {n: p.returncode for n, p in swarm.procs.items()}
+    finishers = [n for n in logs if n not in swarm.removed]
+    summary = summarize(logs, time.monotonic() - swarm.started, exit_codes, finishers)
     summary["config"] = args.config or "tiny-cpu"
     summary["reachability"] = {n: [e["mode"] for e in read_events(p) if e["event"] == "reachability"]
                                for n, p in logs.items() if p.exists()}
     if actions:
         summary["churn"] = effects(actions, {n: list(read_events(p)) for n, p in logs.items()}, exit_codes)
-    summary_path = Path(args.summary_json) if args.summary_json else out / "summary.json"
+    summary_path = Path(args.summary_json) if args.summary_json else swarm.out / "summary.json"
     summary_path.parent.mkdir(parents=True, exist_ok=True)
     summary_path.write_text(json.dumps(summary, indent=2))
-    png = plot_losses(logs, out / "loss.png")
+    png = plot_losses(logs, swarm.out / "loss.png")
     print(format_table(summary))
     for record in summary.get("churn", []):
         print(f"churn {record['spec']}: {_describe(record)}")
@@ -266,7 +300,33 @@ def run_demo(args) -> int:
     return 0 if summary["rounds_completed"] == args.rounds else 1
 
 
+def run_demo(args) -> int:
+    """``diloco-peer demo``: start the swarm, follow it to the end, stop what is left, report; the exit code."""
+    cfg, actions = check_args(args)
+    out = Path(args.out)
+    _clear(out)
+    swarm = _LocalSwarm(args, cfg, out)
+    print(f"demo: 1 bootstrap + {args.peers} peers, {args.rounds} outer rounds of H={cfg.outer.inner_steps} inner "
+          f"steps, config {args.config or 'tiny-cpu'}; logs in {out}/", flush=True)
+    try:
+        if args.nat:  # one home per peer, joiners of the churn schedule included
+            swarm.net = EmulatedInternet(args.peers + sum(a.count for a in actions if a.action == "join")).__enter__()
+            print(f"demo: emulated internet: bootstrap on the public network at {swarm.net.public_address}, each "
+                  f"peer behind its own NAT router (no port forwarding)", flush=True)
+        swarm.start_bootstrap()
+        for i in range(args.peers):
+            swarm.start_peer(i)
+        failed = _follow(swarm, actions, _Progress(args.peers, args.rounds))
+    except KeyboardInterrupt:
+        print("demo: interrupted, stopping the swarm", file=sys.stderr)
+        return 130
+    finally:
+        swarm.stop()
+    return failed if failed is not None else _report(args, swarm, actions)
+
+
 def _describe(record: dict) -> str:
+    """One churn item's effect (a record of ``churn.effects``) in one line."""
     if record["action"] == "join":
         parts = []
         for name, j in record["joiners"].items():

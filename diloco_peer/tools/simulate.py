@@ -66,17 +66,21 @@ class SimRun:
 
     @property
     def final_ppl(self) -> float:
+        """Perplexity at the end of the run."""
         return math.exp(self.eval_loss[-1])
 
     def to_dict(self) -> dict:
+        """The run as ``simulate.json`` holds it."""
         return {**self.__dict__, "final_eval_loss": self.eval_loss[-1], "final_ppl": self.final_ppl}
 
 
 def _allreduce_bytes(replicas: int, payload: int) -> int:
+    """Bytes one of ``replicas`` peers sends and receives in a butterfly all-reduce of ``payload`` bytes."""
     return 0 if replicas == 1 else round(2 * 2 * (replicas - 1) / replicas * payload)
 
 
 def _corpus(cfg: PeerConfig, shard: int, shards: int) -> Corpus:
+    """Data shard ``shard`` of ``shards``, as ``diloco-peer demo`` gives peer ``shard``."""
     return Corpus(cfg.data.model_copy(update={"num_shards": shards, "shard": shard}), shard, cfg.model.vocab_size)
 
 
@@ -93,10 +97,60 @@ def pretrain(cfg: PeerConfig, steps: int) -> dict[str, torch.Tensor]:
 
 
 def _model(cfg: PeerConfig, init: dict[str, torch.Tensor] | None) -> torch.nn.Module:
+    """The config's model, with the weights ``init`` when given (a warm start, see ``pretrain``)."""
     model = build_model(cfg.model, cfg.run.seed)
     if init is not None:
         model.load_state_dict(init)
     return model
+
+
+def _replicas(cfg: PeerConfig, replicas: int, init: dict[str, torch.Tensor] | None, wire, error_feedback: bool):
+    """K replicas as K peers hold them: a trainer on data shard i of K, an outer optimizer, and with
+    ``error_feedback`` the codec's rounding error carried over from its last round."""
+    trainers, outers, feedback = [], [], []
+    for i in range(replicas):
+        trainer = Trainer(_model(cfg, init), _corpus(cfg, i, replicas), cfg.inner)
+        trainers.append(trainer)
+        outers.append(OuterOptimizer(trainer.model, cfg.outer))
+        feedback.append(ErrorFeedback(wire) if error_feedback else None)
+    return trainers, outers, feedback
+
+
+def _local_round(trainer: Trainer, outer: OuterOptimizer, fb: ErrorFeedback | None, start: list[torch.Tensor],
+                 wire, overlap: str, steps: int) -> tuple[list[torch.Tensor], int, int]:
+    """One replica's part of a round: ``steps`` inner steps, then its pseudo-gradient as it arrives after
+    crossing the wire; returns it, its encoded size in bytes and the tokens trained on."""
+    tokens = trainer.train_steps(steps).tokens
+    if overlap == "blocking":
+        delta = outer.pseudo_gradient()
+    else:  # this round's own progress
+        delta = [s - p.detach() for s, p in zip(start, trainer.model.parameters())]
+    if fb is not None:
+        delta, size = fb.roundtrip(delta)
+    else:
+        delta, size = _roundtrip_all(wire, delta)
+    return delta, size, tokens
+
+
+def _weighted_mean(sent: list[list[torch.Tensor]], weights: list[int]) -> list[torch.Tensor]:
+    """The replicas' pseudo-gradients averaged by their token counts, summed in a fixed order."""
+    total = float(sum(weights))
+    return [sum(parts[i] * (w / total) for parts, w in zip(sent, weights)) for i in range(len(sent[0]))]
+
+
+def _apply_delayed(trainers: list[Trainer], outers: list[OuterOptimizer], starts: list[list[torch.Tensor]],
+                   pending: list[torch.Tensor] | None) -> None:
+    """Delayed overlap at the end of a round: the previous round's average (``pending``) moves the outer
+    weights, and each replica continues from them plus its own progress of this round, not sent yet."""
+    for trainer, outer, start in zip(trainers, outers, starts):
+        progress = [p.detach() - s for p, s in zip(trainer.model.parameters(), start)]
+        if pending is not None:
+            outer.step(pending)  # loads the new outer weights into the replica
+        else:
+            outer.load_into_model()
+        with torch.no_grad():
+            for p, d in zip(trainer.model.parameters(), progress):
+                p.add_(d)
 
 
 def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none", overlap: str = "blocking",
@@ -105,15 +159,8 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
     ``on_round(round, outer_params)`` is called after each round."""
     started = time.perf_counter()
     wire = get_codec(codec)
-    name = f"diloco-k{replicas}-{codec}-{overlap}"
-    run = SimRun(name, "diloco", replicas, codec, overlap)
-    trainers, outers, feedback = [], [], []
-    for i in range(replicas):
-        trainer = Trainer(_model(cfg, init), _corpus(cfg, i, replicas), cfg.inner)
-        trainers.append(trainer)
-        outers.append(OuterOptimizer(trainer.model, cfg.outer))
-        feedback.append(ErrorFeedback(wire) if error_feedback else None)
-    H = cfg.outer.inner_steps
+    run = SimRun(f"diloco-k{replicas}-{codec}-{overlap}", "diloco", replicas, codec, overlap)
+    trainers, outers, feedback = _replicas(cfg, replicas, init, wire, error_feedback)
     run.tokens.append(0)
     run.eval_loss.append(trainers[0].evaluate())
     pending = None  # delayed mode: the average of the previous round, applied at the end of this one
@@ -122,36 +169,17 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
         starts = [[p.detach().clone() for p in t.model.parameters()] for t in trainers]
         weights, sent = [], []
         for trainer, outer, fb, start in zip(trainers, outers, feedback, starts):
-            stats = trainer.train_steps(H)
-            tokens += stats.tokens
-            weights.append(stats.tokens)
-            if overlap == "blocking":
-                delta = outer.pseudo_gradient()
-            else:  # this round's own progress
-                delta = [s - p.detach() for s, p in zip(start, trainer.model.parameters())]
-            if fb is not None:
-                delta, size = fb.roundtrip(delta)
-            else:
-                delta, size = _roundtrip_all(wire, delta)
+            delta, size, trained = _local_round(trainer, outer, fb, start, wire, overlap, cfg.outer.inner_steps)
+            tokens += trained
+            weights.append(trained)
             sent.append(delta)
             all_bytes += _allreduce_bytes(replicas, size)
-        # token-weighted mean, summed in a fixed order; the reducers' reply crosses the wire again
-        total = float(sum(weights))
-        average = [sum(parts[i] * (w / total) for parts, w in zip(sent, weights)) for i in range(len(sent[0]))]
-        average, _ = _roundtrip_all(wire, average)
+        average, _ = _roundtrip_all(wire, _weighted_mean(sent, weights))  # the reducers' reply crosses the wire
         if overlap == "blocking":
             for outer in outers:
                 outer.step(average)
         else:
-            for trainer, outer, start in zip(trainers, outers, starts):
-                progress = [p.detach() - s for p, s in zip(trainer.model.parameters(), start)]
-                if pending is not None:
-                    outer.step(pending)  # loads the new outer weights into the replica
-                else:
-                    outer.load_into_model()
-                with torch.no_grad():
-                    for p, d in zip(trainer.model.parameters(), progress):
-                        p.add_(d)
+            _apply_delayed(trainers, outers, starts, pending)
             pending = average
         if on_round is not None:
             on_round(rnd, outers[0].params)
@@ -167,6 +195,7 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
 
 
 def _roundtrip_all(codec, tensors):
+    """``tensors`` encoded and decoded by ``codec``, as they arrive; and their encoded size in bytes."""
     out, total = [], 0
     for t in tensors:
         restored, size = codec.roundtrip(t)
@@ -209,6 +238,7 @@ def run_baseline(cfg: PeerConfig, kind: str, replicas: int, rounds: int,
 
 
 def plot_runs(runs: list[SimRun], png: Path) -> Path:
+    """Eval loss against tokens processed, one curve per run, into ``png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,6 +254,7 @@ def plot_runs(runs: list[SimRun], png: Path) -> Path:
 
 
 def format_table(runs: list[SimRun]) -> str:
+    """The runs side by side: tokens, final eval loss and perplexity, perplexity against Kx-batch, traffic."""
     kx = {r.replicas: r for r in runs if r.kind == "kx_batch"}
     lines = [f"{'run':<28} {'tokens':>11} {'eval loss':>9} {'ppl':>8} {'vs Kx-batch':>11} {'MB/replica':>11}"]
     for r in runs:
@@ -235,6 +266,7 @@ def format_table(runs: list[SimRun]) -> str:
 
 
 def run_simulate(args, cfg: PeerConfig) -> int:
+    """``diloco-peer simulate``: the baselines and the DiLoCo run, then ``simulate.json``, the plot and the table."""
     if args.replicas < 1 or args.rounds < 1 or args.pretrain < 0:
         print(f"diloco-peer: error: --replicas ({args.replicas}) and --rounds ({args.rounds}) must be >= 1 "
               f"and --pretrain ({args.pretrain}) >= 0", file=sys.stderr)

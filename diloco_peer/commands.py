@@ -1,0 +1,224 @@
+"""What each ``diloco-peer`` command does once its command line is parsed: check, then start.
+
+``COMMANDS`` maps a command's name to its function, ``args -> exit code``; ``cli.main`` calls it and turns
+the errors it raises (``ConfigError``, ``SwarmError``, ...) into one line and an exit code. Each function
+first checks everything the command will dial, read and write (a bad address or path is one line, with
+nothing to tear down), and imports torch, hivemind and the daemon only after that: a typo costs a fraction
+of a second, not the seconds those imports take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+
+def quote(text: str) -> str:
+    """A bad value as errors show it: quoted, and cut short if it is long."""
+    return repr(text) if len(text) <= 60 else f"{text[:60]!r}... ({len(text)} characters)"
+
+
+def _check_can_create(path: str, what: str, *, directory: bool) -> None:
+    """Fail now, in one line, where writing ``path`` would fail later: after minutes of work, or once the
+    peer is in the swarm. Creates the directory (for a file: its parent), as the command would anyway."""
+    from .config import ConfigError
+
+    if "\x00" in path:
+        raise ConfigError(f"{what} {quote(path)} contains a NUL character: remove it")
+    target = Path(path)
+    try:
+        if not directory and target.is_dir():
+            raise ConfigError(f"{what} {quote(path)} is a directory: give a file name")
+        folder = target if directory else target.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        writable = os.access(folder, os.W_OK | os.X_OK)
+    except OSError as e:
+        raise ConfigError(f"{what} {quote(path)} cannot be created ({e.strerror}): choose another path") from None
+    if not writable:
+        raise ConfigError(f"{what} {quote(path)} is not writable: choose another path")
+
+
+def _check_bootstrap_args(args: argparse.Namespace):
+    """The bootstrap node's addresses, identity, address file and metrics endpoint, checked before the DHT
+    starts; returns its ``MetricsConfig``."""
+    from pydantic import ValidationError
+
+    from .config import ConfigError, MetricsConfig
+    from .swarm.addresses import check_identity, parse_multiaddr
+
+    for flag, addrs in (("--listen", args.listen), ("--announce", args.announce)):
+        for addr in addrs:
+            parse_multiaddr(addr, need_peer_id=False, what=f"{flag} address")
+    for addr in args.initial_peer:
+        parse_multiaddr(addr, need_peer_id=True, what="--initial-peer address")
+    if not 0 <= args.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port {args.metrics_port} is not a TCP port: use 1-65535, or 0 for none")
+    try:
+        metrics = MetricsConfig(port=args.metrics_port, host=args.metrics_host)
+    except ValidationError as e:
+        reason = e.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"bad --metrics-host {quote(args.metrics_host)}: {reason}") from None
+    if args.identity:
+        check_identity(args.identity)
+    if args.address_file:
+        _check_can_create(args.address_file, "--address-file", directory=False)
+    return metrics
+
+
+def bootstrap(args: argparse.Namespace) -> int:
+    """``diloco-peer bootstrap``: run a bootstrap node until it is stopped."""
+    metrics = _check_bootstrap_args(args)
+    import uvloop
+
+    from .bootstrap_node import run_bootstrap
+    from .swarm.admission import load_admission
+
+    load_admission(args.secret_file, [])
+    return uvloop.run(run_bootstrap(args.listen or ["/ip4/0.0.0.0/tcp/0"], args.announce, args.identity,
+                                    args.initial_peer, args.run_id, args.report_every, metrics,
+                                    args.address_file, args.secret_file))
+
+
+def keygen(args: argparse.Namespace) -> int:
+    """``diloco-peer keygen``: write an identity key file and print its peer id, or write a swarm secret."""
+    from .config import ConfigError
+
+    if bool(args.path) == bool(args.secret):
+        raise ConfigError("keygen needs exactly one of KEY_FILE (an identity) or --secret SECRET_FILE (a swarm "
+                          "secret), e.g. diloco-peer keygen ~/.diloco.key")
+    if args.secret:
+        from .swarm.admission import write_secret
+
+        write_secret(args.secret, args.force)
+        print(f"wrote {args.secret} (mode 0600): a new swarm secret; share it with the swarm's members only")
+        print(f"use it with: diloco-peer bootstrap ... --secret-file {args.secret}, and "
+              f"diloco-peer join <bootstrap> --secret-file {args.secret}")
+        return 0
+    from .swarm.addresses import generate_identity
+
+    peer_id = generate_identity(args.path, args.force)
+    print(f"wrote {args.path} (mode 0600); peer id {peer_id}")
+    print(f"use it with: diloco-peer join <bootstrap> --identity {args.path}")
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    """``diloco-peer status``: print the swarm's peers as its progress records show them."""
+    from .swarm.addresses import parse_multiaddr
+
+    for addr in args.bootstrap:
+        parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
+    import uvloop
+
+    from .bootstrap_node import run_status
+    from .swarm.admission import load_admission
+
+    load_admission(args.secret_file, [])
+    return uvloop.run(run_status(args.bootstrap, args.run_id, args.json, args.wait, args.secret_file))
+
+
+def _join_overrides(args: argparse.Namespace) -> list[str]:
+    """``join``'s ``--set`` items, then its flags as the config keys they set (``--listen`` ->
+    ``swarm.host_maddrs``, ...): a flag wins over a ``--set`` of the same key."""
+    overrides = list(args.overrides)
+    if args.identity is not None:
+        overrides.append(f"swarm.identity_path={json.dumps(args.identity)}")
+    if args.secret_file is not None:
+        overrides.append(f"swarm.secret_file={json.dumps(args.secret_file)}")
+    for flag, key in (("listen", "host_maddrs"), ("announce", "announce_maddrs")):
+        if getattr(args, flag) is not None:
+            overrides.append(f"swarm.{key}={json.dumps(getattr(args, flag))}")
+    if args.reachability is not None:
+        overrides.append(f"swarm.reachability={json.dumps(args.reachability)}")
+    if args.relay:
+        overrides.append("swarm.relay_service=true")
+    return overrides
+
+
+def _check_peer(cfg) -> None:
+    """What a peer dials, reads and writes, checked before it joins: the daemon would fail only once in the swarm."""
+    from .config import DataError
+    from .swarm.addresses import check_identity, parse_multiaddr
+
+    for key in ("host_maddrs", "announce_maddrs", "relays"):
+        for addr in getattr(cfg.swarm, key):
+            parse_multiaddr(addr, need_peer_id=key == "relays", what=f"swarm.{key} address")
+    if cfg.swarm.identity_path:
+        check_identity(cfg.swarm.identity_path)
+    _check_can_create(cfg.run.log_dir, "run.log_dir", directory=True)
+    if cfg.checkpoint.dir:
+        _check_can_create(cfg.checkpoint.dir, "checkpoint.dir", directory=True)
+    for raw in cfg.data.paths if cfg.data.source == "files" else []:
+        try:
+            found = Path(raw).is_file()
+        except OSError:  # e.g. a name too long for the file system
+            found = False
+        if not found:
+            raise DataError(f"data file {quote(raw)} does not exist: fix data.paths")
+
+
+def join(args: argparse.Namespace) -> int:
+    """``diloco-peer join``: join a swarm and train until ``run.max_rounds``, a signal or a failure."""
+    from .config import load_config
+    from .swarm.addresses import parse_multiaddr
+
+    for addr in args.bootstrap:
+        parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
+    cfg = load_config(args.config, _join_overrides(args))
+    _check_peer(cfg)
+    import uvloop
+
+    from .daemon import PeerDaemon
+    from .swarm.admission import load_admission
+
+    load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
+    return uvloop.run(PeerDaemon(cfg, args.bootstrap, args.name or "").run())
+
+
+def demo(args: argparse.Namespace) -> int:
+    """``diloco-peer demo``: a local swarm of subprocesses, then its summary (``tools/demo.py``)."""
+    from .tools.demo import check_args, run_demo
+
+    check_args(args)  # config, churn, ports: fail here rather than in N subprocesses
+    _check_can_create(args.out, "--out", directory=True)
+    if args.summary_json:
+        _check_can_create(args.summary_json, "--summary-json", directory=False)
+    return run_demo(args)
+
+
+def simulate(args: argparse.Namespace) -> int:
+    """``diloco-peer simulate``: K replicas in one process against the baselines (``tools/simulate.py``)."""
+    from .config import load_config
+
+    cfg = load_config(args.config, list(args.overrides))
+    _check_can_create(args.out, "--out", directory=True)
+    from .tools.simulate import run_simulate
+
+    return run_simulate(args, cfg)
+
+
+def plot(args: argparse.Namespace) -> int:
+    """``diloco-peer plot``: loss and throughput of peers' event logs, drawn into one PNG."""
+    from .config import ConfigError
+    from .observe.report import find_logs, plot_losses
+
+    try:
+        logs = find_logs(args.logs)
+    except OSError as e:  # find_logs' own errors say what to give; others come from the file system
+        raise ConfigError(str(e) if e.errno is None else f"cannot read {quote(str(e.filename))} ({e.strerror}): "
+                          f"give event logs (runs/<peer>.jsonl) or their directory") from None
+    _check_can_create(args.out, "--out", directory=False)
+    try:
+        png = plot_losses(logs, Path(args.out))
+    except (ValueError, KeyError, TypeError) as e:  # a line that is no JSON, or JSON that is no event
+        raise ConfigError(f"cannot plot {quote(' '.join(map(str, logs.values())))}: not diloco-peer event "
+                          f"logs ({type(e).__name__}: {quote(str(e))}): give runs/<peer>.jsonl files") from None
+    print(f"wrote {png} ({len(logs)} peers: {', '.join(logs)})")
+    return 0
+
+
+COMMANDS = {"bootstrap": bootstrap, "keygen": keygen, "status": status, "join": join, "demo": demo,
+            "simulate": simulate, "plot": plot}
+"""Each command's name (``cli.build_parser``'s sub-parsers) -> what runs it."""
