@@ -14,7 +14,7 @@ import psutil
 import pytest
 from conftest import FAST, orphaned_p2pd_pids
 
-from diloco_peer.averaging.averager import FAULT_ENV
+from diloco_peer.config.faults import FAULT_ENV
 from diloco_peer.state.checkpoint import load_file
 from diloco_peer.config import load_config
 

@@ -1,20 +1,26 @@
 """The config tree: shipped configs parse, overrides are typed like TOML, every mistake is one clear line;
-the environment variables we (and hivemind) read are checked; nothing in the package loads with pickle."""
+the environment variables we (and hivemind) read are checked; fault injection is one parsed, injected test
+seam; nothing in the package loads with pickle."""
 
 import ast
 import json
 import math
 import random
+import signal
 import string
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import diloco_peer
 from diloco_peer.config import CONFIG_DIR, ConfigError, PeerConfig, load_config
 from diloco_peer.config.environment import ENVIRONMENT, check_environment
+from diloco_peer.config.faults import FAULT_ENV, GRAMMAR, KINDS, NO_FAULTS, Faults
 
 # the fuzz tests of this file together take a few seconds; no example database is written to the checkout
 FUZZ = settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -378,26 +384,101 @@ def test_bad_environment_values_are_one_line_errors_naming_variable_and_value(na
     assert one_line(message) and f"{name}={value!r}" in message and f"unset {name}" in message
 
 
-def fault_kinds_read(source: str) -> set[str]:
-    """The fault kinds a module looks for: ``fault.startswith("kind...")`` and ``... == "kind:arg"`` tests."""
-    kinds = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith" \
-                and "fault" in ast.unparse(node.func.value).lower():
-            kinds |= {arg.value.split(":")[0] for arg in node.args if isinstance(arg, ast.Constant)}
-        if isinstance(node, ast.Compare) and "FAULT_ENV" in ast.unparse(node):
-            kinds |= {c.value.split(":")[0] for c in node.comparators if isinstance(c, ast.Constant) and c.value}
-    return kinds
+# --- fault injection: a test seam (config/faults.py), parsed once, a no-op by default
+
+@pytest.mark.parametrize("text, plan", [
+    ("", Faults()),
+    ("crash_in_allreduce:3", Faults(crash_in_allreduce=3)),
+    ("poison:nan", Faults(poison_kind="nan")), ("poison:signflip", Faults(poison_kind="signflip")),
+    ("poison:shape", Faults(poison_kind="shape")), ("poison:weight", Faults(poison_kind="weight")),
+    ("poison:1000", Faults(poison_kind="scale", poison_scale=1000.0)),
+    ("poison:-0.5", Faults(poison_kind="scale", poison_scale=-0.5)),
+    ("lie_epoch:1000", Faults(lie_epoch=1000)), ("lie_epoch:0", Faults(lie_epoch=0)),
+    ("corrupt_state", Faults(corrupt="noise")), ("corrupt_state:noise", Faults(corrupt="noise")),
+    ("corrupt_state:nan", Faults(corrupt="nan")),
+])
+def test_each_fault_parses_to_its_plan(text, plan):
+    assert Faults.parse(text) == plan
+    assert Faults.from_environment({"HOME": "/root", FAULT_ENV: text}) == plan
+    check_environment({FAULT_ENV: text})  # the environment check is the same parser
 
 
-def test_every_fault_kind_the_code_reads_is_checked_and_no_other():
-    from diloco_peer.averaging.averager import FAULT_ENV
-    from diloco_peer.config.environment import FAULTS
+@pytest.mark.parametrize("text", [
+    "crash_in_allreduce:x", "crash_in_allreduce:0", "crash_in_allreduce", "crash:3", "poison:lots", "poison",
+    "poison:", "lie_epoch:soon", "lie_epoch:-1", "lie_epoch", "corrupt_state:bits", "Poison:nan", " poison:nan",
+])
+def test_a_bad_fault_is_a_one_line_error_naming_it_and_the_good_ones(text):
+    with pytest.raises(ConfigError) as err:
+        Faults.parse(text)
+    message = str(err.value)
+    assert one_line(message) and repr(text) in message and FAULT_ENV in message and GRAMMAR in message, message
 
-    assert FAULT_ENV in ENVIRONMENT
+
+def test_a_huge_bad_fault_is_shortened_in_the_error():
+    with pytest.raises(ConfigError) as err:
+        Faults.from_environment({FAULT_ENV: "poison:" + "9" * 5000 + "x"})
+    assert one_line(str(err.value)) and len(str(err.value)) < 400 and "(5008 characters)" in str(err.value)
+
+
+def test_no_fault_is_the_default_and_its_hooks_do_nothing():
+    assert Faults.from_environment({"HOME": "/root"}) == NO_FAULTS == Faults()
+    tensors = [torch.ones(2), torch.full((3,), 2.0)]
+    NO_FAULTS.poison(tensors)
+    assert [t.tolist() for t in tensors] == [[1.0, 1.0], [2.0, 2.0, 2.0]]
+    assert NO_FAULTS.poisoned_weight(5.0) == 5.0 and not NO_FAULTS.truncates_parts and NO_FAULTS.lie_epoch is None
+    assert NO_FAULTS.corrupt_state(tensors) is tensors
+    NO_FAULTS.crash_now_if_due(0)  # returns: all-reduce 0 is "never", not a match
+    Faults.parse("crash_in_allreduce:3").crash_now_if_due(2)
+
+
+@pytest.mark.parametrize("text, sent", [
+    ("poison:nan", [math.nan] * 3), ("poison:signflip", [-1.0, -2.0, -2.0]), ("poison:3", [3.0, 6.0, 6.0]),
+    ("poison:shape", [1.0, 2.0, 2.0]), ("poison:weight", [1.0, 2.0, 2.0]),
+])
+def test_poison_hooks_change_what_a_peer_sends(text, sent):
+    faults = Faults.parse(text)
+    tensors = [torch.ones(1), torch.full((2,), 2.0)]
+    faults.poison(tensors)
+    torch.testing.assert_close(torch.cat(tensors), torch.tensor(sent), equal_nan=True)
+    assert faults.poisoned_weight(5.0) == (1e12 if text == "poison:weight" else 5.0)
+    assert faults.truncates_parts == (text == "poison:shape")
+
+
+def test_corrupt_state_hooks_change_the_weights_served():
+    noisy = Faults.parse("corrupt_state").corrupt_state([torch.zeros(2)])
+    torch.testing.assert_close(torch.cat(noisy), torch.full((2,), 1e-3))
+    assert bool(torch.cat(Faults.parse("corrupt_state:nan").corrupt_state([torch.zeros(2)])).isnan().all())
+
+
+def test_crash_in_allreduce_kills_the_process_and_its_parent():
+    # the averager process calls the hook: its parent is the daemon, and both must die at once (SIGKILL)
+    script = ("import os, time\n"
+              "from diloco_peer.config.faults import Faults\n"
+              "if os.fork() == 0:\n"
+              "    Faults.parse('crash_in_allreduce:3').crash_now_if_due(3)\n"
+              "    os._exit(0)\n"
+              "time.sleep(60)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=30)
+    assert result.returncode == -signal.SIGKILL, result
+
+
+def test_only_the_fault_seam_reads_the_fault_variable():
+    """No module but config/faults.py names the variable or tests a fault's name (environment.py validates the
+    variable through Faults.parse); the daemon parses it once and passes the plan on."""
     package = Path(diloco_peer.__file__).parent
-    read = set().union(*(fault_kinds_read(path.read_text()) for path in package.rglob("*.py")))
-    assert read == set(FAULTS), "add the new fault kind (or drop the old one) in environment.FAULTS"
+    for path in sorted(package.rglob("*.py")):
+        if path == package / "config" / "faults.py":
+            continue
+        source, where = path.read_text(), path.relative_to(package)
+        assert FAULT_ENV not in source, f"{where} names {FAULT_ENV}: take a Faults (config/faults.py) instead"
+        if path != package / "config" / "environment.py":
+            assert "FAULT_ENV" not in source, f"{where} reads FAULT_ENV: take a Faults (config/faults.py) instead"
+        tree = ast.parse(source)
+        docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+        strings = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                   and isinstance(node.value, str) and id(node) not in docstrings]
+        tested = [s for s in strings if any(s.startswith(kind) for kind in KINDS)]
+        assert not tested, f"{where} tests a fault's name ({tested}): call a hook of config/faults.Faults instead"
 
 
 @FUZZ

@@ -12,8 +12,8 @@ from hivemind.dht.schema import SchemaValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from diloco_peer.averaging.averager import FAULT_ENV
 from diloco_peer.config import load_config
+from diloco_peer.config.faults import FAULT_ENV, Faults
 from diloco_peer.swarm.progress import (
     MAX_TTL,
     ExpirationCap,
@@ -171,15 +171,13 @@ def test_a_record_of_the_wrong_schema_is_rejected(two_dhts, change):
     assert not stored and seen == []
 
 
-def test_a_liar_does_not_end_the_wait_for_a_round(two_dhts, attacker, monkeypatch):
+def test_a_liar_does_not_end_the_wait_for_a_round(two_dhts, attacker):
     dht_a, dht_b = two_dhts
 
     async def scenario():
         a = SwarmProgress(dht_a, RUN, "peer-a", heartbeat=5)
         b = SwarmProgress(dht_b, RUN, "peer-b", heartbeat=5)
-        monkeypatch.setenv(FAULT_ENV, "lie_epoch:1000")
-        liar = SwarmProgress(attacker, RUN, "liar", heartbeat=5)
-        monkeypatch.delenv(FAULT_ENV)
+        liar = SwarmProgress(attacker, RUN, "liar", heartbeat=5, faults=Faults.parse("lie_epoch:1000"))
         await a.publish(epoch=4, state_hash="solo", joined=True)  # a's round 3 failed: it stepped alone
         await b.publish(epoch=3, ready=True, state_hash="h3", joined=True)  # b still averages round 3
         await liar.publish(epoch=3, state_hash="h3", joined=True)  # stored as epoch 1000

@@ -8,7 +8,8 @@ import asyncio
 from hivemind.p2p import P2P
 from multiaddr import Multiaddr
 
-from diloco_peer.swarm.relay import circuit_limit, limit_text, p2pd_flags, usable_relays
+from diloco_peer.swarm.p2pd_internals import p2pd_client, p2pd_flags
+from diloco_peer.swarm.relay import circuit_limit, limit_text, usable_relays
 
 
 def test_limits_in_words():
@@ -24,7 +25,7 @@ def test_the_limit_check_tells_go_libp2ps_default_relay_from_the_configured_one(
         client = await P2P.create(no_listen=True)
         try:
             addrs = [Multiaddr(str(a).split("/p2p/")[0]) for a in await relay.get_visible_maddrs()]
-            await client._client.connect(relay.peer_id, addrs)
+            await p2pd_client(client).connect(relay.peer_id, addrs)
             assert await circuit_limit(client, relay.peer_id) == (128 << 10, 120)
             # a NAT'd peer does not count on such a relay (a node of an older version)
             assert await usable_relays(client, [f"{addrs[0]}/p2p/{relay.peer_id}"]) == []

@@ -1,7 +1,7 @@
 """Every number another peer sends is checked before it touches ours (robust_aggregation.py).
 
 The unit tests pin the checks; the all-reduce tests run one real bad peer of each kind in a group of three
-on loopback (DHT + averager processes, the fault injected into the bad one's process) and check that the
+on loopback (DHT + averager processes, the fault passed to the bad one's averager) and check that the
 honest peers average only with each other, count the offense by kind and ban the repeat offender.
 """
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 from hivemind.averaging.load_balancing import load_balance_peers
 
-from diloco_peer.averaging.averager import FAULT_ENV, RoundAverager
+from diloco_peer.averaging.averager import RoundAverager
 from diloco_peer.config import AveragingConfig
+from diloco_peer.config.faults import Faults
 from diloco_peer.averaging.robust_aggregation import (
     BadContribution,
     BanList,
@@ -153,13 +154,11 @@ async def _average_all(averagers, inputs, epoch):
     ("weight", "weight", "mean"),
     ("signflip", "direction", "robust"),
 ])
-def test_a_bad_sender_is_dropped_counted_and_banned(dhts, monkeypatch, poison, kind, aggregation):
+def test_a_bad_sender_is_dropped_counted_and_banned(dhts, poison, kind, aggregation):
     cfg = CFG.model_copy(update={"aggregation": aggregation})
     nodes = dhts(3)
     honest = [RoundAverager(dht, SHAPES, "bad-run", cfg) for dht in nodes[:2]]
-    monkeypatch.setenv(FAULT_ENV, f"poison:{poison}")  # read when the bad averager (and its process) starts
-    bad = RoundAverager(nodes[2], SHAPES, "bad-run", cfg)
-    monkeypatch.delenv(FAULT_ENV)
+    bad = RoundAverager(nodes[2], SHAPES, "bad-run", cfg, faults=Faults.parse(f"poison:{poison}"))
     averagers = [*honest, bad]
     inputs = [_honest_pseudo_gradient(seed) for seed in (1, 2, 3)]
     honest_mean = [(a + b) / 2 for a, b in zip(inputs[0], inputs[1])]

@@ -9,8 +9,9 @@ from conftest import wait_until
 from hivemind.dht import DHT
 
 from diloco_peer.state import state_sync
-from diloco_peer.averaging.averager import FAULT_ENV, RoundAverager
+from diloco_peer.averaging.averager import RoundAverager
 from diloco_peer.config import load_config
+from diloco_peer.config.faults import FAULT_ENV, NO_FAULTS, Faults
 from diloco_peer.training.model import build_model, param_sha256
 from diloco_peer.training.outer_optimizer import OuterOptimizer
 from diloco_peer.swarm.progress import ProgressRecord, add_progress_validators, fetch_progress
@@ -83,14 +84,15 @@ def test_peers_that_have_not_joined_do_not_vote():
 class _Peer:
     """A DHT + averager + outer optimizer: everything state sync touches, in this process."""
 
-    def __init__(self, cfg, initial_peers=(), seed_offset=0, fingerprint=None):
+    def __init__(self, cfg, initial_peers=(), seed_offset=0, fingerprint=None, faults=NO_FAULTS):
         self.dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers))
         model = build_model(cfg.model, cfg.run.seed + seed_offset)
         self.outer = OuterOptimizer(model, cfg.outer)
         self.averager = RoundAverager(self.dht, [p.shape for p in self.outer.params], cfg.run.run_id, cfg.averaging)
         self.served = []
         self.sync = StateSync(self.averager.averager, self.outer, fingerprint or cfg.fingerprint(),
-                              cfg.outer.inner_steps, cfg.averaging, on_serve=lambda e, n: self.served.append((e, n)))
+                              cfg.outer.inner_steps, cfg.averaging, on_serve=lambda e, n: self.served.append((e, n)),
+                              faults=faults)
         self.id = self.dht.peer_id.to_base58()
 
     def advance(self, rounds):
@@ -163,10 +165,7 @@ def test_bad_donors_are_skipped_and_the_next_one_tried(peers):
     ("lie_epoch:1000", "it sent epoch 1000, expected the swarm's 2 (>= ours, 0)"),
 ])
 def test_a_corrupt_or_lying_donor_is_rejected_with_its_reason_and_the_next_one_used(peers, monkeypatch, fault, reason):
-    good, newcomer = peers(), peers()
-    monkeypatch.setenv(FAULT_ENV, fault)
-    bad = peers()  # the fault is read when its state sync starts
-    monkeypatch.delenv(FAULT_ENV)
+    good, newcomer, bad = peers(), peers(), peers(faults=Faults.parse(fault))
     good.advance(2)
     assert asyncio.run(bad.sync.sync(good.target())).ok  # it holds (and publishes) the swarm's very state
     assert bad.sync.state_hash == good.sync.state_hash

@@ -12,13 +12,15 @@
 4. **Checked numbers** (``robust_aggregation.py``): every part a reducer receives and every average a
    member gets back is checked (shape, finite, weight, norm; direction in robust mode) before use; an
    offender is dropped from the round and reported through ``on_offense``.
+
+Two of hivemind's private methods are copied here and changed (``_communicate_with_peer``,
+``_accumulate_parts_streaming``): ``hivemind_internals.INVENTORY`` records the sha256 of the originals, so
+that a hivemind upgrade that changes them fails a test until the copies are looked at.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
@@ -28,6 +30,8 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
+from ..config.faults import NO_FAULTS, Faults
+from . import hivemind_internals as internals
 from .compression import deserialize
 from .robust_aggregation import BadContribution, CheckedPartReducer, Limits, check_average
 
@@ -46,13 +50,21 @@ class _CountingStub:
 
 
 class ExactAllReduceRunner(AllReduceRunner):
-    """An AllReduceRunner whose reducers return averages instead of deltas (see the module docstring)."""
+    """An AllReduceRunner whose reducers return averages instead of deltas (see the module docstring).
 
-    def __init__(self, *, traffic: torch.Tensor, limits: Limits, on_offense, crash: bool = False,
-                 truncate: bool = False, relayed: frozenset[PeerID] = frozenset(), **kwargs):
+    :param traffic: the shared byte counters (slots ``SENT``, ``RECEIVED``, ...)
+    :param limits: the bounds of the checks
+    :param on_offense: called with (peer id, ``BadContribution``) for every refused part or average
+    :param faults: fault injection, for the tests only (``config/faults.py``)
+    :param allreduce: the number of this all-reduce in our averager (from 1), for ``faults``
+    :param relayed: members we reach over a relay: their bytes also count as ``RELAYED``
+    """
+
+    def __init__(self, *, traffic: torch.Tensor, limits: Limits, on_offense, faults: Faults = NO_FAULTS,
+                 allreduce: int = 0, relayed: frozenset[PeerID] = frozenset(), **kwargs):
         super().__init__(**kwargs)
-        self._relayed = relayed  # members we reach over a relay: their bytes also count as RELAYED
-        self._crash, self._truncate = crash, truncate
+        self._relayed = relayed
+        self._faults, self._allreduce = faults, allreduce
         self._limits, self._on_offense = limits, on_offense
         own = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
         # hivemind's own reducer is replaced unused: marked finished, or its finalize (when garbage-collected)
@@ -74,7 +86,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         # reported once per round and sender; the sender is dropped from every part it has not sent yet
         if peer_id not in self.banned_senders:
             self._on_offense(peer_id, problem)
-        asyncio.create_task(self._ban_sender(peer_id))
+        asyncio.create_task(internals.ban_sender(self, peer_id))
 
     def _encode(self, tensor: torch.Tensor):
         return self._compression.compress(tensor, CompressionInfo.from_tensor(tensor))
@@ -88,7 +100,7 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _generate_input_for_peer(self, peer_index: int):
         async for message in super()._generate_input_for_peer(peer_index):
-            if self._truncate:  # fault injection (``poison:shape``): a buggy fork that drops a value per part
+            if self._faults.truncates_parts:  # fault injection (poison:shape): a buggy fork drops a value per part
                 message.tensor_part.CopyFrom(self._encode(deserialize(message.tensor_part)[:-1]))
             yield message
 
@@ -141,7 +153,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
 
-            own_parts = [part for part, _ in self.tensor_part_container._input_parts_by_peer[peer_index]]
+            own_parts = internals.own_input_parts(self, peer_index)
 
             def _decode(message):
                 if message.code != averaging_pb2.AVERAGED_PART:
@@ -186,9 +198,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         try:
             async for part, weight in amap_in_executor(_decode, stream,
                                                        max_prefetch=self.tensor_part_container.prefetch):
-                if self._crash:
-                    os.kill(os.getppid(), signal.SIGKILL)  # the daemon; its reaper takes the DHT and p2pd along
-                    os.kill(os.getpid(), signal.SIGKILL)
+                self._faults.crash_now_if_due(self._allreduce)  # fault injection: crash_in_allreduce
                 try:
                     if isinstance(part, BadContribution):
                         raise part
@@ -203,4 +213,4 @@ class ExactAllReduceRunner(AllReduceRunner):
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
-                await self._ban_sender(self.sender_peer_ids[sender_index])
+                await internals.ban_sender(self, self.sender_peer_ids[sender_index])

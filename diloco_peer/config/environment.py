@@ -1,16 +1,16 @@
 """The environment variables that change what diloco-peer does, checked before anything reads them.
 
 hivemind reads most of its variables when it is imported, so a bad value there is a traceback from deep
-inside it; ours (``DILOCO_PEER_FAULT``, fault injection for the tests) would silently inject nothing on a
+inside it; ours (``faults.FAULT_ENV``, fault injection for the tests) would silently inject nothing on a
 typo. ``check_environment`` runs first in the CLI and turns either into one line naming the variable.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 
+from .faults import FAULT_ENV, GRAMMAR, Faults
 from .loading import _shorten
 from .schema import ConfigError
 
@@ -24,43 +24,18 @@ def _is_int_at_least(low: int):
     return check
 
 
-def _is_number(text: str) -> bool:
+def _is_fault_plan(value: str) -> bool:
+    # a typo there would inject no fault at all, silently, and a bad argument be a traceback mid-run
     try:
-        float(text)
+        Faults.parse(value)
         return True
-    except ValueError:
+    except ConfigError:
         return False
-
-
-def _is_int(text: str) -> bool:
-    try:
-        int(text)
-        return True
-    except ValueError:
-        return False
-
-
-FAULTS = {
-    # kind -> (is its argument good, how the error shows it). The kinds that averaging_round.py, allreduce.py,
-    # progress.py and state_sync.py read from FAULT_ENV: a new kind goes here too (test_config checks it)
-    "crash_in_allreduce": (lambda arg: re.fullmatch(r"[1-9][0-9]*", arg) is not None, "crash_in_allreduce:N"),
-    "poison": (lambda arg: arg in ("nan", "signflip", "shape", "weight") or _is_number(arg),
-               "poison:nan|signflip|shape|weight|X"),
-    "lie_epoch": (_is_int, "lie_epoch:N"),
-    "corrupt_state": (lambda arg: arg in ("", "nan", "noise"), "corrupt_state[:nan]"),
-}
-
-
-def _is_fault(value: str) -> bool:
-    """The grammar of averaging_round.FAULT_ENV: a typo there injects no fault at all, silently, and a bad
-    argument is a traceback in the middle of the run."""
-    kind, sep, arg = value.partition(":")
-    return kind in FAULTS and (bool(sep) or kind == "corrupt_state") and FAULTS[kind][0](arg)
 
 
 ENVIRONMENT = {
-    # ours: fault injection for the tests (see averaging_round.py); empty is the same as unset
-    "DILOCO_PEER_FAULT": (lambda v: v == "" or _is_fault(v), ", ".join(shown for _, shown in FAULTS.values())),
+    # ours: fault injection for the tests (faults.py); empty is the same as unset
+    FAULT_ENV: (_is_fault_plan, GRAMMAR),
     # hivemind's, read when it is imported: a bad value there is a traceback from deep inside hivemind
     "HIVEMIND_LOGLEVEL": (lambda v: v in logging.getLevelNamesMapping(), "DEBUG, INFO, WARNING, ERROR or CRITICAL"),
     "HIVEMIND_MEMORY_SHARING_STRATEGY": (lambda v: v in ("file_system", "file_descriptor"),

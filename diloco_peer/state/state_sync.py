@@ -27,9 +27,9 @@ quorum's, not a claim of the donor's): a donor that serves another epoch than th
 refused too. A donor failing any check is skipped and the next one tried; each failure is reported
 (``SyncResult.donor_errors``).
 
-Fault injection (tests only, ``DILOCO_PEER_FAULT``, see ``averaging_round.FAULT_ENV``): ``corrupt_state``
-serves weights off by 1e-3 (finite, plausible, not what the peer published), ``corrupt_state:nan`` serves
-NaN weights; ``lie_epoch:N`` serves the state under epoch N (its records claim N too, ``progress.py``).
+Fault injection (tests only, ``config/faults.py``): ``corrupt_state`` serves weights off by 1e-3 (finite,
+plausible, not what the peer published), ``corrupt_state:nan`` serves NaN weights; ``lie_epoch:N`` serves
+the state under epoch N (its records claim N too, ``progress.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 import random
 import threading
 import time
@@ -45,8 +44,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..averaging.averager import FAULT_ENV, PseudoGradientAverager
+from ..averaging.pseudo_gradient_averager import PseudoGradientAverager
 from ..config import AveragingConfig
+from ..config.faults import NO_FAULTS, Faults
 from ..training.model import param_sha256
 from ..training.outer_optimizer import OuterOptimizer
 from ..swarm.progress import QUORUM, ProgressRecord, quorum_epoch, voters
@@ -107,19 +107,17 @@ class StateSync:
     :param inner_steps: H, to turn an epoch into the inner LR-schedule position
     :param cfg: the ``[averaging]`` section (sync_timeout, sync_attempts)
     :param on_serve: called with (epoch, bytes) each time a peer downloads our state (any thread)
+    :param faults: fault injection, for the tests only (``lie_epoch``, ``corrupt_state``: what we serve)
     """
 
     def __init__(self, averager: PseudoGradientAverager, outer: OuterOptimizer, fingerprint: str,
-                 inner_steps: int, cfg: AveragingConfig, on_serve=None):
+                 inner_steps: int, cfg: AveragingConfig, on_serve=None, *, faults: Faults = NO_FAULTS):
         self.averager, self.outer, self.fingerprint = averager, outer, fingerprint
-        self.inner_steps, self.cfg, self.on_serve = inner_steps, cfg, on_serve
+        self.inner_steps, self.cfg, self.on_serve, self.faults = inner_steps, cfg, on_serve, faults
         self.lock = threading.Lock()
         """Held while the outer state changes, so that a peer never downloads a half-updated state."""
         self.state_hash = param_sha256(outer.params)
         averager.state_provider = self._current_state
-        fault = os.environ.get(FAULT_ENV, "")
-        self._lie_epoch = int(fault.split(":")[1]) if fault.startswith("lie_epoch:") else None
-        self._corrupt = (fault.partition(":")[2] or "noise") if fault.startswith("corrupt_state") else ""
 
     def after_outer_step(self) -> None:
         """Call (under ``lock``) after the outer weights changed: refresh the published hash."""
@@ -131,11 +129,11 @@ class StateSync:
             metadata = {"epoch": self.outer.epoch, "inner_step": self.outer.epoch * self.inner_steps,
                         "fingerprint": self.fingerprint, "state_hash": self.state_hash}
             tensors = [p.detach().clone() for p in self.outer.params] + self.outer.momentum_buffers()
-        if self._lie_epoch is not None:
-            metadata.update(epoch=self._lie_epoch, inner_step=self._lie_epoch * self.inner_steps)
-        if self._corrupt:
-            n = len(self.outer.params)
-            tensors[:n] = [t.fill_(float("nan")) if self._corrupt == "nan" else t + 1e-3 for t in tensors[:n]]
+        lie = self.faults.lie_epoch  # fault injection: serve our state under another epoch
+        if lie is not None:
+            metadata.update(epoch=lie, inner_step=lie * self.inner_steps)
+        n = len(self.outer.params)
+        tensors[:n] = self.faults.corrupt_state(tensors[:n])  # fault injection: serve other weights
         if self.on_serve is not None:
             self.on_serve(metadata["epoch"], sum(t.numel() * t.element_size() for t in tensors))
         return metadata, tensors

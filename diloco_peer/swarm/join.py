@@ -20,6 +20,7 @@ from multiaddr import Multiaddr
 from . import reachability, relay
 from .addresses import BootstrapUnreachable, SwarmError, parse_multiaddr
 from .admission import load_admission
+from .p2pd_internals import p2pd_client, p2pd_flags
 from ..config import SwarmConfig
 from .reachability import DIRECT, OUTBOUND, RELAYED, Reach
 
@@ -46,7 +47,7 @@ def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool =
     announce = [f"{r}/p2p-circuit" for r in relays] or list(cfg.announce_maddrs)
     nat = dict(use_auto_relay=True, trusted_relays=list(relays), force_reachability="private") if relays else {}
     try:
-        with (relay.p2pd_flags(**({"relayDiscovery": "0"} if relays else {})),
+        with (p2pd_flags(**({"relayDiscovery": "0"} if relays else {})),
               relay.p2pd_env(relay.RELAY_ENV if relay_service else {})):
             return DHT(
                 start=True,
@@ -84,7 +85,7 @@ async def _ping_peers(_dht: DHT, node, peers: list[str]) -> int:
         addr = Multiaddr(text)
         peer_id = PeerID.from_base58(addr.value_for_protocol("p2p"))
         try:
-            await node.p2p._client.connect(peer_id, [addr.decapsulate(Multiaddr(f"/p2p/{peer_id}"))])
+            await p2pd_client(node.p2p).connect(peer_id, [addr.decapsulate(Multiaddr(f"/p2p/{peer_id}"))])
             answered += await node.protocol.call_ping(peer_id) is not None
         except Exception as e:  # down: the others may answer
             logger.debug(f"initial peer {text} did not answer: {e!r}")

@@ -24,16 +24,15 @@ Open to volunteers means open to liars: anyone can publish a record that claims 
 - **Waits that liars can stretch are bounded**: the round gate by ``ready_timeout`` (a peer that claims
   our epoch and never gets ready) and ``min_peers_timeout``, ``wait_for_round_end`` by its timeout.
 
-Fault injection (tests only): with ``DILOCO_PEER_FAULT=lie_epoch:N`` (``averaging_round.FAULT_ENV``) the
-peer publishes epoch N in every record it stores, with the hash of its real weights; its state download
-claims epoch N too (``state_sync.py``). Everything else it does, it does honestly.
+Fault injection (tests only, ``config/faults.py``): with ``faults.lie_epoch`` set to N the peer publishes
+epoch N in every record it stores, with the hash of its real weights; its state download claims epoch N too
+(``state_sync.py``). Everything else it does, it does honestly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint, constr
 
-from ..averaging.averager import FAULT_ENV
+from ..config.faults import NO_FAULTS, Faults
 
 logger = logging.getLogger(__name__)
 
@@ -189,18 +188,17 @@ class SwarmProgress:
     :param run_id: the run's name; records live under ``{run_id}_progress``
     :param peer_id: our peer id (base58), stored in the record for humans and the monitor
     :param heartbeat: seconds between republications; records expire after ``3 * heartbeat``
+    :param faults: fault injection, for the tests only (``lie_epoch``: publish that epoch instead of ours)
     """
 
     POLL_SECONDS = 0.5
 
-    def __init__(self, dht: DHT, run_id: str, peer_id: str, heartbeat: float):
-        self.dht, self.run_id, self.heartbeat = dht, run_id, heartbeat
+    def __init__(self, dht: DHT, run_id: str, peer_id: str, heartbeat: float, *, faults: Faults = NO_FAULTS):
+        self.dht, self.run_id, self.heartbeat, self.faults = dht, run_id, heartbeat, faults
         self.key = f"{run_id}_progress"
         self.subkey = add_progress_validators(dht, run_id)
         self.record = ProgressRecord(peer_id=peer_id, epoch=0, inner_step=0, tokens=0, ready=False, joined=False,
                                      time=time.time())
-        fault = os.environ.get(FAULT_ENV, "")
-        self._lie_epoch = int(fault.split(":")[1]) if fault.startswith("lie_epoch:") else None
         self._heartbeat_task: asyncio.Task | None = None
         self.stats_provider: Callable[[], dict] | None = None
         """Returns the current ``PeerStats`` fields; called at every publication (the heartbeat included)."""
@@ -213,8 +211,8 @@ class SwarmProgress:
         await self._store(self.record.dict())
 
     async def _store(self, value) -> None:
-        if value is not None and self._lie_epoch is not None:
-            value = {**value, "epoch": self._lie_epoch, "round": self._lie_epoch}
+        if value is not None and self.faults.lie_epoch is not None:
+            value = {**value, "epoch": self.faults.lie_epoch, "round": self.faults.lie_epoch}
         ok = await asyncio.to_thread(
             self.dht.store, self.key, value, get_dht_time() + 3 * self.heartbeat, subkey=self.subkey
         )

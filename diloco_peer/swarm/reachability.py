@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
+from .p2pd_internals import p2pd_client
 from .relay import GOOD_CIRCUIT_BYTES, circuit_limit, limit_text, usable_relays
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class ProbeService:
         own = sorted(self.own_addrs, key=lambda a: "/127.0.0.1/" not in a)
         if not own:
             return False, "the node has no address to reach its relay at"
-        await self.prober._client.connect(self.p2p.peer_id, [Multiaddr(own[0])])
+        await p2pd_client(self.prober).connect(self.p2p.peer_id, [Multiaddr(own[0])])
         deadline = time.monotonic() + wait
         while True:
             data, seconds = await circuit_limit(self.prober, self.p2p.peer_id)
@@ -170,7 +171,8 @@ class ProbeService:
             started = time.monotonic()
             async with self._locks.setdefault(peer_id, asyncio.Lock()):
                 try:
-                    await asyncio.wait_for(self.prober._client.connect(peer_id, [Multiaddr(addr)]), DIAL_TIMEOUT)
+                    dial = p2pd_client(self.prober).connect(peer_id, [Multiaddr(addr)])
+                    await asyncio.wait_for(dial, DIAL_TIMEOUT)
                     # connected to that very peer (the handshake checks its key), not just to some hop on the way
                     ok = any(p.peer_id == peer_id for p in await self.prober.list_peers())
                     error = "" if ok else "the dial reached some other peer"
@@ -178,7 +180,7 @@ class ProbeService:
                     ok, error = False, _one_line(e) if str(e).strip() else "timed out"
                 finally:
                     with contextlib.suppress(Exception):
-                        await self.prober._client.disconnect(peer_id)
+                        await p2pd_client(self.prober).disconnect(peer_id)
             results.append({"addr": addr, "ok": ok, "error": error, "seconds": round(time.monotonic() - started, 3)})
         if peer_id in self._locks and not self._locks[peer_id].locked():
             del self._locks[peer_id]
@@ -191,7 +193,7 @@ async def ask_probe(p2p: P2P, server: str, request: dict, timeout: float = 15.0)
 
     async def ask() -> dict:
         try:  # at once if already connected (a DHT's own daemon)
-            await p2p._client.connect(peer_id, [addr])
+            await p2pd_client(p2p).connect(peer_id, [addr])
         except Exception as e:
             raise UnreachableServer(f"cannot connect: {_one_line(e)}") from None
         _, reader, writer = await p2p.call_binary_stream_handler(peer_id, PROBE_PROTOCOL)

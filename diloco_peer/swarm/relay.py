@@ -6,7 +6,7 @@ and 30 min per relayed connection), started once the node is (forced) public, an
 relayed all-reduces and state downloads break off after ~100-500 KB. Relay nodes therefore start p2pd with
 ``RELAY_ENV``, and both sides check what a relay grants by asking it for a slot as auto-relay does
 (``circuit_limit``): bootstraps restart until theirs is right, NAT'd peers do not count on one that is not.
-This module also passes p2pd the settings hivemind's ``P2P.create`` does not expose (``p2pd_flags``).
+The p2pd flags hivemind's ``P2P.create`` does not expose go through ``p2pd_internals.p2pd_flags``.
 """
 
 from __future__ import annotations
@@ -31,33 +31,6 @@ with one Go thread that was the configured one in 40 of 40 starts here (30 idle,
 the default threads in 5 of 26 (0 of 10 in one idle run). One thread carried the NAT tests' relayed rounds (~4 MB
 per peer and round); a busy relay's throughput with it, and that of a peer that opts in (``swarm.relay_service``,
 whose own averaging traffic goes through the same daemon), are not measured."""
-
-_extra_flags: dict[str, str] = {}
-
-
-def _make_process_args(original):
-    def make(*args, **kwargs):
-        return original(*args, **{**kwargs, **_extra_flags})
-
-    make.diloco_wrapped = True
-    return make
-
-
-@contextlib.contextmanager
-def p2pd_flags(**flags: str) -> Iterator[None]:
-    """p2pd flags that hivemind's ``P2P.create`` does not expose, for the daemons started inside the block.
-
-    hivemind builds the p2pd command line in ``P2P._make_process_args``; a DHT started in the block forks
-    its process (and p2pd) while the flags are set, so it keeps them. Pinned to hivemind 1.1.12 (tested).
-    """
-    if not getattr(P2P._make_process_args, "diloco_wrapped", False):
-        P2P._make_process_args = staticmethod(_make_process_args(P2P._make_process_args))
-    _extra_flags.update(flags)
-    try:
-        yield
-    finally:
-        _extra_flags.clear()
-
 
 @contextlib.contextmanager
 def p2pd_env(env: dict[str, str]) -> Iterator[None]:

@@ -1,0 +1,144 @@
+"""hivemind's private averaging API, in one place: what our averager and all-reduce rely on beyond the public one.
+
+hivemind is extended by subclassing: ``PseudoGradientAverager`` (a ``DecentralizedAverager``),
+``ExactAllReduceRunner`` (an ``AllReduceRunner``) and ``CheckedPartReducer`` (a ``TensorPartReducer``) override
+or copy some of their private methods, and those overrides stay in the subclasses. Every other use of a private
+name of hivemind's averaging goes through the small functions below, and ``INVENTORY`` lists them all: each
+method we override, copy (with the sha256 of hivemind's own source of it when we copied it), call or patch, and
+each attribute we read. The p2pd side has its own list (``swarm/p2pd_internals.py``).
+
+Pinned to hivemind ``HIVEMIND_VERSION``: ``tests/test_hivemind_internals.py`` checks every entry against the
+installed hivemind (signatures, attributes on real objects, the sources of what we copied) and fails, naming the
+attribute and the version, where they differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.p2p import P2P, PeerID
+
+from ..swarm.p2pd_internals import HIVEMIND_VERSION, PrivateUse
+
+__all__ = ["HIVEMIND_VERSION", "INVENTORY", "ban_sender", "mark_state_updated", "own_input_parts", "p2p_of",
+           "patch_join_requests", "running_group", "send_to_averager_process"]
+
+AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
+MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
+RUNNER = "hivemind.averaging.allreduce.AllReduceRunner"
+CONTAINER = "hivemind.averaging.partition.TensorPartContainer"
+REDUCER = "hivemind.averaging.partition.TensorPartReducer"
+
+_OURS = "pseudo_gradient_averager.PseudoGradientAverager"
+
+
+def _reads(owner: str, where: str, *names: str) -> tuple[PrivateUse, ...]:
+    return tuple(PrivateUse(owner, name, "read", where) for name in names)
+
+
+INVENTORY = (
+    # the averager (in its own process): matchmaking, the all-reduce hook, the host <-> averager pipe
+    PrivateUse(AVERAGER, "_step", "override", f"{_OURS}: skips leaders we refuse before matchmaking"),
+    PrivateUse(AVERAGER, "_run_allreduce_inplace_", "copy", f"{_OURS}: exact results, our runner, our checks",
+               ("tensors", "group_info", "group_id"),
+               "914d57cffc7d69e1ce16b384f3fc0783fbbf08b7fa839634da9571f9c4143925"),
+    PrivateUse(AVERAGER, "_aggregate_with_group", "relies",
+               f"{_OURS}._fair_fractions: replaces the peer_fractions it passes to _run_allreduce_inplace_",
+               ("group_info", "min_vector_size"),
+               "c297d8a435ce2b1c0ca36b8e6bc318a23b1c696ef1624dabc654cee803650868"),
+    PrivateUse(AVERAGER, "_run_internal", "relies",
+               "send_to_averager_process: a (method, args, kwargs) on the pipe runs as a task in the averager process",
+               (), "8f85686e1ccd3eb0c11e362ce4aa1a877e378f98d47393a6fbd45e598626b5d3"),
+    *_reads(AVERAGER, "the accessors below", "_p2p", "_outer_pipe", "_running_groups", "_matchmaking",
+            "_state_updated"),
+    *_reads(AVERAGER, _OURS, "serializer", "prefix", "total_size", "allreduce_kwargs"),
+    PrivateUse(MATCHMAKING, "_request_join_group", "patch", "patch_join_requests (per averager instance)",
+               ("leader",)),
+    # the all-reduce of one group
+    PrivateUse(RUNNER, "_generate_input_for_peer", "override", "allreduce.ExactAllReduceRunner: poison:shape",
+               ("peer_index",)),
+    PrivateUse(RUNNER, "_get_peer_stub", "override", "allreduce.ExactAllReduceRunner: byte counts", ("peer",)),
+    PrivateUse(RUNNER, "_communicate_with_peer", "copy", "allreduce.ExactAllReduceRunner: averages, not deltas",
+               ("peer_id",), "d910885e9727ed48e117de0b94731d74ac1abd11340c903622367d35e1b6f374"),
+    PrivateUse(RUNNER, "_accumulate_parts_streaming", "copy", "allreduce.ExactAllReduceRunner: averages, checks",
+               ("stream", "sender_index"), "6c5a3c72660603033d98a698d8debccf860244979008d06f3bff943fcc2a47fc"),
+    PrivateUse(RUNNER, "rpc_aggregate_part", "relies",
+               "allreduce.ExactAllReduceRunner: calls our _accumulate_parts_streaming(stream, sender_index)",
+               ("stream", "context"), "c66765f4ad58eeaf01a350466686af1cf5f96406ea0aa88e1fa4dcda2c13ad6a"),
+    PrivateUse(RUNNER, "_ban_sender", "call", "ban_sender", ("peer_id",)),
+    *_reads(RUNNER, "allreduce.ExactAllReduceRunner", "tensor_part_container", "tensor_part_reducer",
+            "sender_peer_ids", "banned_senders", "peer_id", "ordered_peer_ids", "parts_for_local_averaging",
+            "weight", "reducer_timeout", "should_delay_results"),
+    *_reads(CONTAINER, "own_input_parts", "_input_parts_by_peer"),
+    *_reads(CONTAINER, "allreduce.ExactAllReduceRunner", "return_deltas", "compression", "prefetch",
+            "num_parts_by_peer", "failed_size", "register_processed_part", "register_failed_reducer"),
+    # the reducer of one part
+    PrivateUse(REDUCER, "accumulate_part", "override", "robust_aggregation.CheckedPartReducer: checks on arrival",
+               ("sender_index", "part_index", "tensor_part", "weight")),
+    PrivateUse(REDUCER, "check_current_part_finished", "copy", "robust_aggregation.CheckedPartReducer: aggregate",
+               (), "ec9b059c42f3ca271d3e89ff63177006d66e0fc4a6bb99427eb08ab25d3d3640"),
+    *_reads(REDUCER, "robust_aggregation.CheckedPartReducer, allreduce.ExactAllReduceRunner", "part_shapes",
+            "num_parts", "finished", "accumulator", "current_part_index", "current_part_accumulated_from",
+            "num_current_senders", "sender_failed_after", "current_part_future", "reset_accumulators"),
+)
+"""Every name of hivemind's averaging we rely on beyond its public API (see ``PrivateUse``)."""
+
+
+# --- the averager: call these in its own process unless said otherwise
+
+def p2p_of(averager: DecentralizedAverager) -> P2P:
+    """The averager process's P2P (``_p2p``), which its handlers and all-reduces use."""
+    return averager._p2p
+
+
+def running_group(averager: DecentralizedAverager, group_id: bytes) -> asyncio.Future:
+    """The future through which hivemind hands the all-reduce runner of group ``group_id`` to the members'
+    requests (``_running_groups``): its result is our runner, its exception fails them at once."""
+    return averager._running_groups[group_id]
+
+
+def mark_state_updated(averager: DecentralizedAverager) -> None:
+    """Tell hivemind the averaged tensors changed, as its own ``_run_allreduce_inplace_`` does when it ends."""
+    averager._state_updated.set()
+
+
+def send_to_averager_process(averager: DecentralizedAverager, method: str, *args, **kwargs) -> None:
+    """From the host process: run ``averager.<method>(*args, **kwargs)`` (a coroutine method) as a task in the
+    averager process, through the pipe hivemind's own ``step`` uses (``_outer_pipe``)."""
+    averager._outer_pipe.send((method, list(args), kwargs))
+
+
+def patch_join_requests(averager: DecentralizedAverager, refuses: Callable[[PeerID], bool]) -> None:
+    """Make matchmaking skip the leaders ``refuses`` names, as if they had turned us down.
+
+    hivemind's matchmaking (``_matchmaking``, created in the averager process) asks every leader it finds in
+    the DHT to take us in (``Matchmaking._request_join_group``); this replaces that method on this averager's
+    instance only. Idempotent: call it before each step (matchmaking exists once the process runs).
+    """
+    matchmaking = averager._matchmaking
+    if getattr(matchmaking, "diloco_skips_refused", False):
+        return
+    request_join_group = matchmaking._request_join_group
+
+    async def _request_join_group(leader: PeerID):
+        return None if refuses(leader) else await request_join_group(leader)
+
+    matchmaking._request_join_group = _request_join_group
+    matchmaking.diloco_skips_refused = True
+
+
+# --- one group's all-reduce
+
+def own_input_parts(runner: AllReduceRunner, peer_index: int) -> list[torch.Tensor]:
+    """The parts of our own tensors that member ``peer_index`` reduces, as we send them (before compression)."""
+    return [part for part, _ in runner.tensor_part_container._input_parts_by_peer[peer_index]]
+
+
+async def ban_sender(runner: AllReduceRunner, peer_id: PeerID) -> None:
+    """Drop ``peer_id`` from the rest of this all-reduce as a sender (hivemind's own fate for a failed sender:
+    the others average without it)."""
+    await runner._ban_sender(peer_id)
