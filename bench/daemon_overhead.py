@@ -7,7 +7,7 @@ in the same run (target >= 0.97).
 
 A (daemon): a real ``diloco-peer join`` process, alone with a local bootstrap node (``averaging.min_peers=1``,
 so every round is a solo outer step: averaging costs nothing and only the daemon's own machinery is
-measured). It runs its H inner steps in chunks of H/5 (``daemon._inner_steps``): each chunk hops to a
+measured). It runs its H inner steps in chunks of H/5 (``OuterRounds._inner_steps``): each chunk hops to a
 worker thread, runs ``Trainer.train_steps``, then writes a ``progress`` event, while the event loop beats
 heartbeats and the DHT, averager and p2pd processes live beside it. Trainer's own timer would miss the
 hops and the event writing, so the daemon's tokens/s is wall clock: within one round, the tokens of chunks
@@ -47,7 +47,7 @@ from results import figure, save  # noqa: E402
 
 from diloco_peer.observe.events import read_events  # noqa: E402
 
-CHUNKS = 5  # daemon.PROGRESS_EVENTS_PER_ROUND: the daemon writes one progress event per H/5 steps
+CHUNKS = 5  # outer_round.PROGRESS_EVENTS_PER_ROUND: the daemon writes one progress event per H/5 steps
 
 
 def settings_list(args: argparse.Namespace, rounds: int) -> list[str]:

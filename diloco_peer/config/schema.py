@@ -25,8 +25,8 @@ class ConfigError(ValueError):
 
 
 class DataError(ValueError):
-    """Unusable data settings or files; the message says which and how to fix it (raised by ``data.py``,
-    defined here so that the CLI can catch it without importing torch)."""
+    """Unusable data settings or files; the message says which and how to fix it (raised by
+    ``training/data.py``, defined here so that the CLI can catch it without importing torch)."""
 
 
 class _Section(BaseModel):
@@ -146,7 +146,7 @@ class OuterConfig(_Section):
     overlap: Literal["blocking", "delayed"] = "blocking"
     """``blocking``: wait for each round's average before training on (DiLoCo, OpenDiLoCo).
     ``delayed``: average round t's progress while round t+1 trains and apply it at the end of round t+1
-    (DiLoCoX's one-step delay; see overlapped_round.py). The whole swarm must use the same mode."""
+    (DiLoCoX's one-step delay; see outer_round.py). The whole swarm must use the same mode."""
 
     @model_validator(mode="after")
     def _check_nesterov(self) -> OuterConfig:

@@ -1,6 +1,6 @@
 """The swarm as a whole, read from the DHT: nobody has to scrape the volunteers.
 
-Every peer's signed progress record (``progress.py``) carries a small ``PeerStats`` block (name, state,
+Every peer's signed progress record (``swarm/progress.py``) carries a small ``PeerStats`` block (name, state,
 throughput, losses, round counts), refreshed with each heartbeat. This module turns the live records into
 
 - Prometheus gauges on the bootstrap node (``diloco-peer bootstrap --metrics-port 9100``): peers alive

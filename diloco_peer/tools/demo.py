@@ -30,6 +30,7 @@ from ..config import ConfigError, PeerConfig, load_config
 from ..observe.events import EventFollower, read_events
 from .netbed import EmulatedInternet, available
 from ..observe.report import format_table, plot_losses, summarize
+from ..swarm.addresses import SwarmError
 
 POLL_SECONDS = 0.5
 
@@ -59,9 +60,9 @@ def _wait_for_join_line(log: Path, proc: subprocess.Popen, timeout: float = 60.0
             if line.startswith("diloco-peer join "):
                 return line.split()[2]
         if proc.poll() is not None:
-            raise RuntimeError(f"the bootstrap node exited with code {proc.returncode}; see {log}")
+            raise SwarmError(f"the bootstrap node exited with code {proc.returncode}; see {log}")
         time.sleep(0.2)
-    raise RuntimeError(f"the bootstrap node printed no join address within {timeout:.0f}s; see {log}")
+    raise SwarmError(f"the bootstrap node printed no join address within {timeout:.0f}s; see {log}")
 
 
 def _tail(path: Path, lines: int = 15) -> str:

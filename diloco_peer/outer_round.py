@@ -1,0 +1,391 @@
+"""Outer rounds: H inner steps, then gate -> average -> check -> apply, round after round.
+
+One outer round, as DiLoCo (Douillard et al. 2023) and OpenDiLoCo run it:
+
+1. **train**: H inner AdamW steps on this peer's shard (on the compute thread; the event loop stays free
+   for heartbeats and signals);
+2. **gate**: publish "ready" for our epoch and wait (bounded) until the peers of this epoch are ready;
+3. **average**: matchmake a group and all-reduce the pseudo-gradients (outer weights - replica weights),
+   weighted by the tokens behind them;
+4. **check**: refuse an average that is not finite or far larger than our own pseudo-gradient;
+5. **apply**: the outer Nesterov step with the average (or, if no group formed, with our own
+   pseudo-gradient: a *solo* step, logged and counted); then evaluate.
+
+Steps 2-3 are the *exchange*. ``outer.overlap = "blocking"`` awaits it at once. ``"delayed"`` (DiLoCoX's
+one-step delay) launches it in the background and goes straight on training the next round; the
+exchange of round t is concluded (steps 4-5) at the end of round t+1. The replica then holds
+``outer weights + progress not averaged yet``: the progress included in the average is replaced by the
+average, the progress not sent yet is kept. The outer weights of peers that averaged together stay
+bit-identical in both modes; ``diloco-peer simulate --overlap delayed`` computes the same updates.
+
+Epochs (delayed): after applying round t's average the outer weights are at epoch t; the record says
+``epoch t, ready, round t+1`` while round t+1 trains, and the gate of epoch t waits for the peers whose
+record says ``round t`` (``SwarmProgress.wait_until_ready(delayed=True)``).
+
+Healing: a peer that is behind (newcomer, restart from an old checkpoint, straggler) or whose weights left
+the swarm's (a failed round, a reducer that died mid-all-reduce) downloads the swarm's state from peers that
+hold it (``state/state_sync.py``) and goes on from there; in delayed mode with its own unsent progress on
+top (a *rebase*). A newcomer synced at epoch e trains round e+1 and rebases at its end onto epoch e+1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm import tqdm
+
+from .averaging.averager import RoundAverager, RoundResult
+from .averaging.robust_aggregation import refuse_update
+from .config import PeerConfig
+from .observe.events import EventLog
+from .state.state_sync import StateSync, swarm_target
+from .swarm.progress import ReadyDecision, SwarmProgress
+from .training.outer_optimizer import OuterOptimizer
+from .training.trainer import ComputeThread, Trainer
+
+logger = logging.getLogger("diloco_peer")
+
+PROGRESS_EVENTS_PER_ROUND = 5
+PROGRESS_LOG_SECONDS = 30.0  # a human-readable progress line at most this often between round lines
+
+
+@dataclass
+class InnerResult:
+    """What a round's H inner steps did."""
+    tokens: int
+    compute_seconds: float
+    train_loss: float
+
+
+@dataclass
+class Exchange:
+    """A round's gate and all-reduce, as the conclusion sees them."""
+    decision: ReadyDecision
+    result: RoundResult
+    dropped: bool = False
+    """Stopped at the gate, or (blocking) the gate found us off the swarm's state and synced to it instead."""
+
+
+@dataclass
+class RoundRecord:
+    """One finished round: the ``round`` event of the event log (metrics and reports read it)."""
+    peer: str
+    round: int
+    epoch: int
+    outcome: str
+    """``averaged`` with a group, ``solo`` (nobody to average with) or ``failed`` (a group formed, then failed)."""
+    group_size: int
+    group_epochs: list[int]
+    ready_peers: int
+    alive_peers: int
+    wait_seconds: float
+    allreduce_seconds: float
+    transfer_seconds: float
+    bytes_sent: int
+    bytes_received: int
+    bytes_relayed: int
+    values_not_averaged: int
+    error: str
+    tokens: int
+    compute_seconds: float
+    train_loss: float
+    eval_loss: float
+    inner_lr: float
+    outer_lr: float
+    inner_step: int
+    param_sha256: str
+    round_seconds: float = 0.0
+    overlap_wait_seconds: float | None = None
+    """Delayed mode: how long the end of the round waited for the exchange launched a round earlier."""
+    first_contribution_seconds: float | None = None
+    """Set on the first round this peer averaged with others: seconds from process start."""
+
+    def fields(self) -> dict:
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+
+class OuterRounds:
+    """Runs this peer's outer rounds; the daemon hands it the running components and keeps the lifecycle.
+
+    :param cfg: the config tree (``outer``, ``averaging`` and ``run.max_rounds`` are read)
+    :param name: this peer's name, in logs and records
+    :param trainer: the replica and its inner optimizer
+    :param outer: the outer weights, momentum and epoch
+    :param averager: one all-reduce per round (runs in its own process)
+    :param progress: our progress record and the round gate
+    :param sync: state sync (downloads the swarm's state; serves ours under its lock)
+    :param events: the event log
+    :param compute: the thread all torch work runs on
+    :param should_stop: true once the daemon was asked to leave
+    :param tty: show a live status bar per round (else a progress line every ``PROGRESS_LOG_SECONDS``)
+    """
+
+    def __init__(self, cfg: PeerConfig, name: str, *, trainer: Trainer, outer: OuterOptimizer,
+                 averager: RoundAverager, progress: SwarmProgress, sync: StateSync, events: EventLog,
+                 compute: ComputeThread, should_stop: Callable[[], bool], tty: bool = False):
+        self.cfg, self.name = cfg, name
+        self.trainer, self.outer, self.averager, self.progress = trainer, outer, averager, progress
+        self.sync, self.events, self._compute, self.should_stop, self.tty = sync, events, compute, should_stop, tty
+        self.delayed = cfg.outer.overlap == "delayed"
+        self.pending: asyncio.Task | None = None
+        """Delayed mode: the exchange of the last round's progress, running while this round trains."""
+        self.sent: list[torch.Tensor] = []
+        """The pseudo-gradient ``pending`` averages (a solo step applies it if the all-reduce fails)."""
+        self.last_sync_epoch = -1
+        """The outer epoch our last state sync brought us to."""
+        self.last_log = time.monotonic()
+
+    async def run(self, on_round: Callable[[RoundRecord], None]) -> None:
+        """Rounds until stopped or ``run.max_rounds``; ``on_round(record)`` after each finished round.
+        An interrupted round is abandoned: a partial pseudo-gradient would skew the average."""
+        try:
+            while not self.should_stop() and not self.reached_max_rounds():
+                started = time.perf_counter()
+                record = await self._round()
+                if record is not None:
+                    record.round_seconds = time.perf_counter() - started
+                    on_round(record)
+        finally:
+            if self.pending is not None:
+                self.pending.cancel()
+
+    async def _round(self) -> RoundRecord | None:
+        """One round. None if stopped, if the round was replaced by a state sync, or (delayed) if there was
+        no exchange to conclude yet (the first round after starting or syncing)."""
+        H = self.cfg.outer.inner_steps
+        start = await self._compute.run(_cpu_copy, self.trainer.model) if self.delayed else None
+        inner = await self._inner_steps(self.trainer.step // H if self.delayed else self.outer.epoch)
+        if self.should_stop():
+            return None
+        if not self.delayed:  # blocking: the exchange is awaited at once, nothing is left unsent
+            self._launch(await self._compute.run(self.outer.pseudo_gradient), inner.tokens)
+            return await self._conclude(inner, unsent=None)
+        unsent = await self._compute.run(_progress_since, self.trainer.model, start)
+        record = await self._conclude(inner, unsent)
+        self._launch([-d for d in unsent], inner.tokens)  # start - end, like ``outer - replica``
+        return record
+
+    def reached_max_rounds(self) -> bool:
+        if self.cfg.run.max_rounds and self.outer.epoch >= self.cfg.run.max_rounds:
+            logger.info(f"{self.name}: reached run.max_rounds={self.cfg.run.max_rounds}, leaving the swarm")
+            return True
+        return False
+
+    async def _inner_steps(self, epoch: int) -> InnerResult:
+        """The H inner steps of ``epoch``, in chunks so that progress shows between them."""
+        trainer, H = self.trainer, self.cfg.outer.inner_steps
+        chunk = max(1, H // PROGRESS_EVENTS_PER_ROUND)
+        tokens, compute, weighted_loss = 0, 0.0, 0.0
+        bar = tqdm(total=H, initial=trainer.step - epoch * H, desc=f"round {epoch + 1}", unit="step", leave=False,
+                   dynamic_ncols=True, disable=not self.tty)
+        while trainer.step - epoch * H < H and not self.should_stop():
+            todo = min(chunk, H - (trainer.step - epoch * H))
+            stats = await self._compute.run(trainer.train_steps, todo, self.should_stop)
+            tokens, compute = tokens + stats.tokens, compute + stats.seconds
+            weighted_loss += stats.loss * stats.steps
+            self.progress.record = self.progress.record.copy(update={"inner_step": trainer.step})  # heartbeat
+            tokens_per_second = stats.tokens / max(stats.seconds, 1e-9)
+            self.events.write("progress", peer=self.name, epoch=epoch, inner_step=trainer.step, steps=stats.steps,
+                              seconds=stats.seconds, loss=stats.loss, lr=stats.lr, tokens=stats.tokens,
+                              tokens_per_second=tokens_per_second)
+            bar.update(stats.steps)
+            bar.set_postfix_str(f"loss {stats.loss:.3f} | {tokens_per_second:,.0f} tok/s | lr {stats.lr:.1e}")
+            if not self.tty and time.monotonic() - self.last_log >= PROGRESS_LOG_SECONDS:
+                self.last_log = time.monotonic()
+                logger.info(f"round {epoch + 1}: inner step {trainer.step - epoch * H}/{H} | "
+                            f"train loss {stats.loss:.4f} | lr {stats.lr:.2e} | {tokens_per_second:,.0f} tok/s")
+        bar.close()
+        return InnerResult(tokens=tokens, compute_seconds=compute, train_loss=weighted_loss / H)
+
+    # --- the exchange: gate and all-reduce
+
+    def _launch(self, pseudo_gradient: list[torch.Tensor], tokens: int) -> None:
+        self.sent = pseudo_gradient
+        self.pending = asyncio.create_task(self._exchange(pseudo_gradient, tokens, self.outer.epoch))
+
+    async def _exchange(self, pseudo_gradient: list[torch.Tensor], tokens: int, epoch: int) -> Exchange:
+        """Publish "ready" for ``epoch``, wait at the gate, then average with the ready peers (if any)."""
+        cfg = self.cfg.averaging
+        await self.progress.publish(epoch=epoch, round=epoch + self.delayed, inner_step=self.trainer.step,
+                                    ready=True, state_hash=self.sync.state_hash,
+                                    tokens=self.progress.record.tokens + tokens)
+        decision = await self.progress.wait_until_ready(
+            min_peers=cfg.min_peers if epoch == 0 else 1, min_peers_timeout=cfg.first_round_timeout,
+            ready_timeout=cfg.ready_timeout, should_stop=self.should_stop, delayed=self.delayed)
+        if self.should_stop():
+            return Exchange(decision, RoundResult(ok=False, error=decision.reason), dropped=True)
+        # blocking: behind or off the swarm's weights, our pseudo-gradient is relative to a state nobody holds
+        if not self.delayed and await self.catch_up(decision.records):
+            return Exchange(decision, RoundResult(ok=False), dropped=True)
+        if decision.ready < 2:
+            return Exchange(decision, RoundResult(ok=False, error=decision.reason))
+        self.events.write("averaging", peer=self.name, epoch=epoch, ready_peers=decision.ready)
+        return Exchange(decision, await self.averager.average(pseudo_gradient, weight=tokens, epoch=epoch))
+
+    async def _collect(self) -> tuple[Exchange, float]:
+        """The pending exchange's outcome and how long we waited for it; a failure there is a lost round."""
+        waited = time.perf_counter()
+        try:
+            exchange = await self.pending
+        except Exception as e:  # e.g. the DHT failed to store our record: never fatal
+            exchange = Exchange(ReadyDecision(1, 1, 0.0, "error"),
+                                RoundResult(ok=False, error=f"{type(e).__name__}: {e}"))
+        self.pending = None
+        return exchange, time.perf_counter() - waited
+
+    # --- the conclusion: check, apply, heal
+
+    async def _conclude(self, inner: InnerResult, unsent: list[torch.Tensor] | None) -> RoundRecord | None:
+        """Check the pending exchange's average and apply it (or take a solo step, or rebase); the record.
+
+        ``unsent``: delayed mode's progress not averaged yet, kept on top of the new outer weights."""
+        if self.pending is None:  # delayed: the first round after starting or syncing
+            await self._first_round(unsent)
+            return None
+        exchange, overlap_wait = await self._collect()
+        if exchange.dropped:
+            return None
+        decision, result = exchange.decision, exchange.result
+        epoch, max_ratio = self.outer.epoch, self.cfg.averaging.max_update_ratio
+        self.report_offenses(result)
+        outcome = "averaged" if result.ok else ("failed" if decision.ready > 1 else "solo")
+        if result.ok and (why := refuse_update(result.averaged, self.sent, max_ratio)):
+            result.ok, result.error, outcome = False, f"refused the group's average: {why}", "failed"
+        if outcome == "failed":
+            logger.warning(f"round {epoch + 1}: averaging failed ({result.error})"
+                           + ("" if self.delayed else "; taking a solo outer step"))
+        if len(set(result.group_epochs)) > 1:
+            logger.warning(f"round {epoch + 1}: the group mixed epochs {sorted(result.group_epochs)}")
+        await self._apply(result, unsent, epoch)
+        if result.values_not_averaged or (outcome == "failed" and not self.delayed):
+            # our weights now differ from those of the others in the group: re-sync at once, before training
+            logger.warning(f"round {epoch + 1}: {result.values_not_averaged} values were not averaged "
+                           f"(a peer failed mid-round); checking our weights against the swarm's")
+            # compare with the state the others end this round with: wait until one of them has stepped (a
+            # peer that died mid-round stops counting when its record expires, after 3 heartbeats)
+            await self._rebase(unsent, await self._round_end(epoch, extra=3 * self.cfg.averaging.heartbeat))
+        eval_loss = await self._compute.run(self._evaluate_outer if unsent is not None else self.trainer.evaluate)
+        return RoundRecord(
+            peer=self.name, round=self.outer.epoch, epoch=epoch, outcome=outcome, group_size=result.group_size,
+            group_epochs=result.group_epochs, ready_peers=decision.ready, alive_peers=decision.alive,
+            wait_seconds=decision.waited, allreduce_seconds=result.seconds, transfer_seconds=result.transfer_seconds,
+            bytes_sent=result.bytes_sent, bytes_received=result.bytes_received, bytes_relayed=result.bytes_relayed,
+            values_not_averaged=result.values_not_averaged, error=result.error, tokens=inner.tokens,
+            compute_seconds=inner.compute_seconds, train_loss=inner.train_loss, eval_loss=eval_loss,
+            inner_lr=self.trainer.current_lr(), outer_lr=self.cfg.outer.lr, inner_step=self.trainer.step,
+            param_sha256=self.sync.state_hash, overlap_wait_seconds=overlap_wait if self.delayed else None)
+
+    async def _first_round(self, unsent: list[torch.Tensor]) -> None:
+        if self.last_sync_epoch == self.outer.epoch:
+            # synced into a running swarm: the others apply the average of the round we joined in the middle
+            # of; take their result as soon as they have it, with our progress on top
+            await self._rebase(unsent, await self._round_end(self.outer.epoch))
+        else:
+            await self._compute.run(self._keep, unsent)  # a fresh start: nothing to apply yet
+
+    async def _apply(self, result: RoundResult, unsent: list[torch.Tensor] | None, epoch: int) -> None:
+        """The outer step with the group's average; if there is none: delayed mode first tries to rebase onto
+        the peers whose round succeeded, else (and always in blocking mode) a solo step with our own."""
+        if not result.ok and self.delayed and await self._rebase(unsent, await self._round_end(epoch)):
+            return
+        await self._compute.run(self._outer_step, result.averaged if result.ok else self.sent, unsent)
+        if not self.delayed:  # delayed mode publishes its new epoch with the next "ready"
+            await self.progress.publish(epoch=self.outer.epoch, round=self.outer.epoch, ready=False,
+                                        state_hash=self.sync.state_hash)
+
+    def _outer_step(self, update: list[torch.Tensor], unsent: list[torch.Tensor] | None) -> None:
+        with self.sync.lock:  # a peer downloading our state sees the state before or after, never between
+            self.outer.step(update)
+            self.sync.after_outer_step()
+        if unsent is not None:
+            self._keep(unsent)
+
+    def _keep(self, unsent: list[torch.Tensor]) -> None:
+        """Replica = outer weights + ``unsent`` (the progress not averaged yet)."""
+        with torch.no_grad():
+            for p, o, d in zip(self.trainer.model.parameters(), self.outer.params, unsent):
+                p.copy_((o + d).to(p.device, p.dtype))
+
+    def _evaluate_outer(self) -> float:
+        """Eval loss of the outer weights (the replica holds outer + unsent progress: put it back after)."""
+        live = [p.detach().clone() for p in self.trainer.model.parameters()]
+        self.outer.load_into_model()
+        try:
+            return self.trainer.evaluate()
+        finally:
+            with torch.no_grad():
+                for p, saved in zip(self.trainer.model.parameters(), live):
+                    p.copy_(saved)
+
+    def report_offenses(self, result: RoundResult) -> None:
+        """Log the contributions our averager refused (metrics count them, by kind, from the event log)."""
+        for offense in result.offenses:
+            self.events.write("offense", peer=self.name, **offense)
+            if offense["banned"]:
+                logger.warning(f"banned peer {offense['offender']} for {self.cfg.averaging.ban_seconds:g}s: repeated "
+                               f"offenses, the last: {offense['kind']}: {offense['detail']}")
+
+    # --- healing: state sync
+
+    async def _round_end(self, epoch: int, extra: float = 0.0) -> list:
+        """The swarm's records once some peer has ended round ``epoch`` (``ready_timeout + extra`` at most)."""
+        return await self.progress.wait_for_round_end(epoch, self.cfg.averaging.ready_timeout + extra,
+                                                      self.should_stop)
+
+    async def _rebase(self, unsent: list[torch.Tensor] | None, records: list) -> bool:
+        """If the swarm holds other outer weights than ours, download them (and keep our unsent progress)."""
+        if not await self.catch_up(records):
+            return False
+        if unsent is not None:
+            await self._compute.run(self._keep, unsent)
+        return True
+
+    async def catch_up(self, records: list) -> bool:
+        """If the swarm is ahead of us or our weights differ from its, download its state. True if we did.
+
+        Until we hold the swarm's state (synced, or nothing to sync) our epoch does not vote on the swarm's
+        (``progress.quorum_epoch``): a newcomer or a peer restarted from an old checkpoint knows nothing of it.
+        """
+        target = swarm_target(records)
+        why = self.sync.needs_sync(target)
+        if not why:
+            if not self.progress.record.joined:
+                await self.progress.publish(joined=True)
+            return False
+        logger.info(f"state sync: {why}; downloading epoch {target.epoch} from one of {len(target.holders)} peers")
+        result = await self.sync.sync(target)
+        for _ in range(2):  # the swarm stepped on during the download: once more, for its new state
+            if not result.moved_on or not self.sync.needs_sync(
+                    target := swarm_target(await self.progress.swarm_records())):
+                break
+            result = (await self.sync.sync(target)).after(result)
+        self.events.write("sync", peer=self.name, reason=why, donor=result.donor, epoch=result.epoch,
+                          seconds=result.seconds, bytes=result.bytes, attempts=result.attempts, ok=result.ok,
+                          error=result.error, donor_errors=result.donor_errors)
+        if not result.ok:
+            logger.warning(f"state sync failed ({result.error}); will try again at the next round")
+            return False
+        # the inner LR-schedule position: the round after the synced epoch (delayed mode: the round after that,
+        # which the swarm trains while it averages the synced epoch's)
+        self.trainer.step = (self.outer.epoch + self.delayed) * self.cfg.outer.inner_steps
+        self.last_sync_epoch = self.outer.epoch
+        self.averager.reset_feedback()  # the residual belonged to the weights we just replaced
+        await self.progress.publish(epoch=self.outer.epoch, round=self.outer.epoch + self.delayed,
+                                    inner_step=self.trainer.step, ready=False, state_hash=self.sync.state_hash,
+                                    joined=True)
+        logger.info(f"state sync: now at epoch {self.outer.epoch} ({result.bytes / 1e6:.2f} MB from "
+                    f"{result.donor[-8:]} in {result.seconds:.2f}s)")
+        return True
+
+
+def _cpu_copy(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().to("cpu", torch.float32, copy=True) for p in model.parameters()]
+
+
+def _progress_since(model: torch.nn.Module, start: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.detach().to("cpu", torch.float32) - s for p, s in zip(model.parameters(), start)]
