@@ -22,14 +22,14 @@ from pathlib import Path
 import psutil
 from hivemind.dht import DHT
 
-from .swarm.addresses import parse_multiaddr
 from .config import MetricsConfig, SwarmConfig
 from .observe.metrics import MetricsServer
 from .observe.monitor import SwarmMonitor, format_status, status_json, summarize
+from .reaper import Reaper
+from .swarm.addresses import parse_multiaddr
+from .swarm.join import join_address, join_dht_peers, start_dht, visible_addresses
 from .swarm.progress import add_progress_validators, fetch_progress
 from .swarm.reachability import ProbeService
-from .reaper import Reaper
-from .swarm.join import join_address, join_dht_peers, start_dht, visible_addresses
 
 logger = logging.getLogger("diloco_peer.bootstrap")
 

@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return _fail(e, EXIT_USAGE)
     _setup_logging(args.verbose)
-    from .swarm.addresses import BootstrapUnreachable, SwarmError
     from .config import DataError
+    from .swarm.addresses import BootstrapUnreachable, SwarmError
 
     try:
         return COMMANDS[args.command](args)

@@ -11,10 +11,10 @@ from conftest import diloco_cmd
 from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 
-from diloco_peer.swarm.addresses import BootstrapUnreachable
-from diloco_peer.swarm.admission import Admission, AdmissionError, SwarmSecretAuthorizer, load_admission, write_secret
 from diloco_peer.averaging.averager import RoundAverager
 from diloco_peer.config import AveragingConfig, SwarmConfig
+from diloco_peer.swarm.addresses import BootstrapUnreachable
+from diloco_peer.swarm.admission import Admission, AdmissionError, SwarmSecretAuthorizer, load_admission, write_secret
 from diloco_peer.swarm.join import start_dht
 
 SECRET = b"0123456789abcdef0123456789abcdef"

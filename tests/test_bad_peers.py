@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import FAST
 
+from diloco_peer.config import load_config
 from diloco_peer.config.faults import FAULT_ENV
 from diloco_peer.state.checkpoint import load_file
-from diloco_peer.config import load_config
 
 
 @pytest.mark.slow

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from diloco_peer.state.checkpoint import CheckpointError, CheckpointManager, capture, load_file, restore
 from diloco_peer.config import CheckpointConfig, load_config
+from diloco_peer.state.checkpoint import CheckpointError, CheckpointManager, capture, load_file, restore
 from diloco_peer.training.data import Corpus
 from diloco_peer.training.model import build_model, param_sha256
 from diloco_peer.training.outer_optimizer import OuterOptimizer

@@ -14,9 +14,9 @@ import psutil
 import pytest
 from conftest import FAST, orphaned_p2pd_pids
 
+from diloco_peer.config import load_config
 from diloco_peer.config.faults import FAULT_ENV
 from diloco_peer.state.checkpoint import load_file
-from diloco_peer.config import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -176,8 +176,8 @@ def test_bootstrap_down_mid_run_and_a_dead_bootstrap_address_do_not_matter(local
 
 
 def test_churn_schedule_parsing_errors_are_one_line():
-    from diloco_peer.tools.churn import parse_churn
     from diloco_peer.config import ConfigError
+    from diloco_peer.tools.churn import parse_churn
 
     actions = parse_churn("join:1@round3, kill:2@round2", peers=3, rounds=5)
     assert [(a.action, a.count, a.round) for a in actions] == [("kill", 2, 2), ("join", 1, 3)]

@@ -420,8 +420,8 @@ def cli_sandbox(tmp_path_factory) -> Path:
 def commands_stopped_at_the_network(monkeypatch, cli_sandbox):
     """main() validates for real; what would start a DHT, a swarm or training returns 0 instead."""
     import diloco_peer.bootstrap_node
-    import diloco_peer.tools.demo
     import diloco_peer.observe.report
+    import diloco_peer.tools.demo
     import diloco_peer.tools.simulate
     from diloco_peer.observe.events import read_events
 

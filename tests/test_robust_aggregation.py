@@ -12,8 +12,6 @@ import torch
 from hivemind.averaging.load_balancing import load_balance_peers
 
 from diloco_peer.averaging.averager import RoundAverager
-from diloco_peer.config import AveragingConfig
-from diloco_peer.config.faults import Faults
 from diloco_peer.averaging.robust_aggregation import (
     BadContribution,
     BanList,
@@ -24,6 +22,8 @@ from diloco_peer.averaging.robust_aggregation import (
     check_average,
     refuse_update,
 )
+from diloco_peer.config import AveragingConfig
+from diloco_peer.config.faults import Faults
 
 # many small tensors: hivemind hands out whole parts (a tensor below 128k values is one part), so the group's
 # spans are only even when there are many of them

@@ -13,11 +13,11 @@ import pytest
 import torch
 from conftest import FAST, diloco_cmd
 
-from diloco_peer.state.checkpoint import load_file
 from diloco_peer.averaging.compression import BLOCK, CODECS, ErrorFeedback
 from diloco_peer.config import load_config
-from diloco_peer.training.model import build_model
+from diloco_peer.state.checkpoint import load_file
 from diloco_peer.tools.simulate import run_baseline, run_diloco
+from diloco_peer.training.model import build_model
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_cpu_k2.json"
 GOLDEN_SETS = [*FAST, "run.threads=1"]

@@ -8,14 +8,14 @@ import torch
 from conftest import wait_until
 from hivemind.dht import DHT
 
-from diloco_peer.state import state_sync
 from diloco_peer.averaging.averager import RoundAverager
 from diloco_peer.config import load_config
 from diloco_peer.config.faults import FAULT_ENV, NO_FAULTS, Faults
+from diloco_peer.state import state_sync
+from diloco_peer.state.state_sync import StateSync, Target, swarm_target
+from diloco_peer.swarm.progress import ProgressRecord, add_progress_validators, fetch_progress
 from diloco_peer.training.model import build_model, param_sha256
 from diloco_peer.training.outer_optimizer import OuterOptimizer
-from diloco_peer.swarm.progress import ProgressRecord, add_progress_validators, fetch_progress
-from diloco_peer.state.state_sync import StateSync, Target, swarm_target
 
 SETS = ["averaging.sync_timeout=3.0", "averaging.matchmaking_time=2.0", "averaging.request_timeout=1.0"]
 

@@ -13,9 +13,9 @@ from hivemind.dht import DHT
 
 from diloco_peer.config import load_config
 from diloco_peer.daemon import PeerDaemon
+from diloco_peer.swarm.progress import SwarmProgress
 from diloco_peer.training.data import Corpus
 from diloco_peer.training.model import build_model
-from diloco_peer.swarm.progress import SwarmProgress
 from diloco_peer.training.trainer import Trainer
 
 pytestmark = pytest.mark.slow

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from .. import __version__
+from ..averaging.robust_aggregation import OFFENSE_KINDS
 from ..config import ConfigError, MetricsConfig
 from ..swarm.reachability import MODES
-from ..averaging.robust_aggregation import OFFENSE_KINDS
 
 if TYPE_CHECKING:
     from .monitor import SwarmMonitor

@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info, generate_latest
 
 from .. import __version__
+from ..state.state_sync import swarm_target
 from ..swarm.progress import ProgressRecord, quorum_epoch
 from ..swarm.reachability import MODES
-from ..state.state_sync import swarm_target
 
 STATES = ("joining", "training", "waiting", "averaging", "leaving")
 

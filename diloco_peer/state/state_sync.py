@@ -47,9 +47,9 @@ import torch
 from ..averaging.pseudo_gradient_averager import PseudoGradientAverager
 from ..config import AveragingConfig
 from ..config.faults import NO_FAULTS, Faults
+from ..swarm.progress import QUORUM, ProgressRecord, quorum_epoch, voters
 from ..training.model import param_sha256
 from ..training.outer_optimizer import OuterOptimizer
-from ..swarm.progress import QUORUM, ProgressRecord, quorum_epoch, voters
 
 logger = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from multiaddr import Multiaddr
 
+from ..config import SwarmConfig
 from . import reachability, relay
 from .addresses import BootstrapUnreachable, SwarmError, parse_multiaddr
 from .admission import load_admission
 from .p2pd_internals import p2pd_client, p2pd_flags
-from ..config import SwarmConfig
 from .reachability import DIRECT, OUTBOUND, RELAYED, Reach
 
 logger = logging.getLogger(__name__)

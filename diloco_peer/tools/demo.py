@@ -25,12 +25,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .churn import ChurnAction, due, effects, parse_churn
 from ..config import ConfigError, PeerConfig, load_config
 from ..observe.events import EventFollower, read_events
-from .netbed import EmulatedInternet, available
 from ..observe.report import format_table, plot_losses, summarize
 from ..swarm.addresses import SwarmError
+from .churn import ChurnAction, due, effects, parse_churn
+from .netbed import EmulatedInternet, available
 
 POLL_SECONDS = 0.5
 

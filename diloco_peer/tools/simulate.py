@@ -42,10 +42,10 @@ import torch
 
 from ..averaging.compression import ErrorFeedback, get_codec
 from ..config import PeerConfig
+from ..observe.report import save_figure
 from ..training.data import Corpus
 from ..training.model import build_model
 from ..training.outer_optimizer import OuterOptimizer
-from ..observe.report import save_figure
 from ..training.trainer import Trainer
 
 
