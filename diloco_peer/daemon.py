@@ -7,8 +7,9 @@ syncs that heal a peer that fell off the swarm's state) are ``outer_round.py``; 
 everything around them. Checkpoints are written in the background after every ``checkpoint.every_rounds``
 rounds and when leaving; ``join`` resumes from the newest one.
 
-SIGTERM/SIGINT: finish the current inner step, write a checkpoint, withdraw from the swarm, exit 0 within
-``run.shutdown_grace`` seconds; a second signal exits at once. No child process (p2pd, averager) survives.
+SIGTERM/SIGINT/SIGHUP: finish the current inner step, write a checkpoint, withdraw from the swarm, exit 0
+within ``run.shutdown_grace`` seconds (past it: exit 1); a second signal exits at once (130); see
+``shutdown.py``. No child process (p2pd, averager) survives, not even a SIGKILL of the daemon (``reaper.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -32,9 +32,11 @@ from .config.faults import Faults
 from .observe.events import EventLog
 from .observe.metrics import MetricsServer, PeerMetrics
 from .outer_round import OuterRounds, RoundRecord
-from .reaper import Reaper, exit_with_children
+from .reaper import Reaper
+from .shutdown import Shutdown
 from .state.checkpoint import CheckpointManager, capture, restore
 from .state.state_sync import StateSync
+from .swarm import hivemind_calls
 from .swarm.admission import load_admission
 from .swarm.join import join_swarm, visible_addresses
 from .swarm.progress import SwarmProgress
@@ -47,6 +49,7 @@ from .training.trainer import ComputeThread, Trainer
 logger = logging.getLogger("diloco_peer")
 
 WITHDRAW_TIMEOUT = 5.0  # seconds a leaving peer gives the DHT to store its tombstone
+CHILD_SHUTDOWN_TIMEOUT = 10.0  # seconds the averager and DHT processes get to stop (then the reaper's turn)
 
 
 class PeerDaemon:
@@ -59,7 +62,7 @@ class PeerDaemon:
 
     def __init__(self, cfg: PeerConfig, initial_peers: list[str], name: str = ""):
         self.cfg, self.initial_peers, self.name = cfg, list(initial_peers), name
-        self.stopping = False
+        self.shutdown = Shutdown(cfg.run.shutdown_grace, "leaving after the current inner step")
         self.trainer: Trainer | None = None
         """The replica and its inner optimizer; kept after ``run`` returns, for inspection (tests)."""
         self.outer: OuterOptimizer | None = None
@@ -78,26 +81,14 @@ class PeerDaemon:
         self.tty = sys.stderr.isatty()
         """On a terminal: a live status bar per round (log lines print above it); else periodic log lines."""
 
-    def _request_stop(self, signame: str) -> None:
-        if self.stopping:
-            logger.warning(f"second {signame}: exiting now")
-            exit_with_children(130)
-        grace = self.cfg.run.shutdown_grace
-        logger.info(f"{signame}: leaving after the current inner step, within {grace:g}s "
-                    f"(press Ctrl+C again to exit at once)")
-        self.stopping = True
-        asyncio.get_running_loop().call_later(grace, self._grace_expired)
-
-    def _grace_expired(self) -> None:
-        logger.error(f"could not leave cleanly within run.shutdown_grace={self.cfg.run.shutdown_grace:g}s: exiting "
-                     f"now (the last complete checkpoint stays valid)")
-        exit_with_children(1)
+    @property
+    def stopping(self) -> bool:
+        """True once a signal asked us to leave."""
+        return self.shutdown.requested
 
     async def run(self) -> int:
         cfg = self.cfg
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._request_stop, sig.name)
+        self.shutdown.install(asyncio.get_running_loop())
         self._compute = ComputeThread(cfg.run.threads or torch.get_num_threads())
 
         # before joining: a busy port fails at once, and /healthz says "joining" while we look for the swarm
@@ -109,20 +100,35 @@ class PeerDaemon:
                 return await self._run(reaper)
         finally:
             self._compute.close()
+            self._kill_leftover_children(reaper)
             reaper.close()
             if server is not None:
                 server.close()
+            self.shutdown.finished()
 
     async def compute(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` on the compute thread, where all of our torch work runs."""
         return await self._compute.run(fn, *args, **kwargs)
 
-    def _watch_children(self, reaper: Reaper) -> None:
+    def _ours(self, reaper: Reaper) -> list[psutil.Process]:
         # the processes we started (not the host's other children, e.g. in tests); torch's shared-memory
         # manager is left out: it is shared by the whole process and exits by itself
-        ours = [c for c in psutil.Process().children(recursive=True)
-                if c.pid not in self._children_before and c.pid != reaper.proc.pid]
-        reaper.watch([c.pid for c in ours if _name(c) not in ("torch_shm_manager", "")])
+        return [c for c in psutil.Process().children(recursive=True)
+                if c.pid not in self._children_before and c.pid != reaper.proc.pid
+                and _name(c) not in ("torch_shm_manager", "")]
+
+    def _watch_children(self, reaper: Reaper) -> None:
+        reaper.watch([c.pid for c in self._ours(reaper)])
+
+    def _kill_leftover_children(self, reaper: Reaper) -> None:
+        # after a leave, a child that did not stop when told (a DHT process that stopped answering) must not
+        # outlive us: the reaper only acts if *we* die, and is told "done" next
+        for child in self._ours(reaper):
+            with contextlib.suppress(psutil.Error):
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    continue  # exited, not yet collected: nothing to kill
+                logger.warning(f"child process {child.pid} ({_name(child)}) did not stop when told: killing it")
+                child.kill()
 
     async def _run(self, reaper: Reaper) -> int:
         cfg = self.cfg
@@ -142,6 +148,7 @@ class PeerDaemon:
                               epoch=self.outer.epoch, inner_step=self.trainer.step)
             return 0
         finally:
+            self.shutdown.arm()  # leaving is bounded by run.shutdown_grace, asked to or not
             await self._leave(dht, watch)
 
     async def _start(self, dht, reach: Reach, watch: ReachabilityWatch, reaper: Reaper) -> OuterRounds:
@@ -226,9 +233,11 @@ class PeerDaemon:
                 logger.warning(f"could not withdraw our progress record within {WITHDRAW_TIMEOUT:g}s; "
                                f"it expires by itself within {3 * cfg.averaging.heartbeat:g}s")
         await watch.close()
-        if self.averager is not None:
-            await asyncio.to_thread(self.averager.shutdown)
-        await asyncio.to_thread(dht.shutdown)
+        # in daemon threads, bounded: a child process that is already gone must not keep us waiting
+        with contextlib.suppress(TimeoutError):
+            if self.averager is not None:
+                await hivemind_calls.call(self.averager.shutdown, timeout=CHILD_SHUTDOWN_TIMEOUT)
+            await hivemind_calls.call(dht.shutdown, timeout=CHILD_SHUTDOWN_TIMEOUT)
         logger.info(f"left the swarm in {time.monotonic() - leaving:.1f}s")
         if self.events is not None:
             self.events.close()

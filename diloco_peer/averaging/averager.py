@@ -23,6 +23,7 @@ from hivemind.dht import DHT
 
 from ..config import AveragingConfig
 from ..config.faults import NO_FAULTS, Faults
+from ..swarm import hivemind_calls
 from ..swarm.admission import Admission
 from .allreduce import FAILED_VALUES, RECEIVED, RELAYED, SENT, TRANSFER_US
 from .compression import ErrorFeedback, WireCompression, get_codec
@@ -126,7 +127,8 @@ class RoundAverager:
         weight = self.faults.poisoned_weight(weight)
         # one matchmaking key per outer epoch: a late peer still averaging epoch e never lands in the group
         # of epoch e+1, where its pseudo-gradient (relative to older weights) would poison everyone's step
-        await asyncio.to_thread(self.averager.set_group_bits, format(epoch, "b"))
+        await hivemind_calls.call(self.averager.set_group_bits, format(epoch, "b"),
+                                  timeout=self.cfg.request_timeout * 10)
         control = self.averager.step(
             weight=float(weight),
             gather={"epoch": epoch, "tokens": int(weight), "proof": self.admission.proof(self.peer_id),
@@ -137,10 +139,16 @@ class RoundAverager:
             wait=False,
         )
         try:
-            gathered = await asyncio.to_thread(control.result)
+            # bounded: a step answers within its matchmaking deadline plus the all-reduce's own timeouts (with
+            # a retry); longer, it waits on an averager process that is gone, and is abandoned
+            gathered = await hivemind_calls.call(control.result, timeout=self.cfg.matchmaking_time * 3
+                                                 + 2 * self.cfg.allreduce_timeout + 30)
         except asyncio.CancelledError:
             control.cancel()
             raise
+        except TimeoutError:
+            control.cancel()
+            return self._result(False, started, before, error="our averager process did not answer in time")
         except Exception as e:  # no group, timeout, a peer died mid-round: never fatal here
             return self._result(False, started, before, error=f"{type(e).__name__}: {e}".strip(": "))
         if not gathered or len(gathered) < 2:

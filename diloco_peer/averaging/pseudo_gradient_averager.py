@@ -137,6 +137,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         if why:
             logger.warning(f"refused to serve our state to {peer}: {why}")
             return
+        await self.faults.delay_serving()  # fault injection: a slow donor
         async for message in super().rpc_download_state(request, context):
             yield message
 

@@ -20,10 +20,12 @@ One fault at a time:
   state as epoch N; everything else honestly;
 - ``corrupt_state`` (or ``corrupt_state:noise``): serve weights off by 1e-3 (finite, plausible, not what we
   published); ``corrupt_state:nan``: serve NaN weights.
+- ``slow_serve:SECONDS``: wait that long before serving a state download (a newcomer is mid-sync meanwhile).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -35,9 +37,10 @@ from .schema import ConfigError
 
 FAULT_ENV = "DILOCO_PEER_FAULT"
 """The environment variable that switches a fault on (tests only); empty is the same as unset."""
-KINDS = ("crash_in_allreduce", "poison", "lie_epoch", "corrupt_state")
+KINDS = ("crash_in_allreduce", "poison", "lie_epoch", "corrupt_state", "slow_serve")
 """The faults there are; a peer runs with one at most."""
-GRAMMAR = "crash_in_allreduce:N, poison:nan|signflip|shape|weight|X, lie_epoch:N, corrupt_state[:nan]"
+GRAMMAR = ("crash_in_allreduce:N, poison:nan|signflip|shape|weight|X, lie_epoch:N, corrupt_state[:nan], "
+           "slow_serve:SECONDS")
 """The values ``FAULT_ENV`` may take, as error messages show them."""
 
 
@@ -56,6 +59,8 @@ class Faults:
     """The epoch we claim in our progress records and state downloads instead of ours; None: the truth."""
     corrupt: str = ""
     """How the weights we serve to a state download are corrupted: "", "noise" or "nan"."""
+    serve_delay: float = 0.0
+    """Seconds we wait before serving a state download (``slow_serve:S``): a newcomer is then mid-sync that long."""
 
     @classmethod
     def parse(cls, text: str) -> Faults:
@@ -73,6 +78,8 @@ class Faults:
             return cls(lie_epoch=int(arg))
         if kind == "corrupt_state" and arg in ("", "noise", "nan"):
             return cls(corrupt=arg or "noise")
+        if kind == "slow_serve" and sep and (delay := _number(arg)) is not None and 0 < delay <= 3600:
+            return cls(serve_delay=delay)
         problem = f"unknown fault {_shorten(kind)!r}" if kind not in KINDS else f"bad argument for {kind}"
         raise ConfigError(f"bad fault {_shorten(text)!r} ({FAULT_ENV}): {problem}; expected one of {GRAMMAR}")
 
@@ -110,6 +117,11 @@ class Faults:
         if self.crash_in_allreduce and allreduce == self.crash_in_allreduce:
             os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    async def delay_serving(self) -> None:
+        """Before we serve a state download (``slow_serve:S``): wait S seconds, as a donor on a slow link would."""
+        if self.serve_delay:
+            await asyncio.sleep(self.serve_delay)
 
     def corrupt_state(self, weights: list) -> list:
         """The outer weights we serve to a state download (``corrupt_state``: off by 1e-3, or NaN). ``weights``

@@ -60,8 +60,9 @@ class RunConfig(_Section):
     threads: int = Field(0, ge=0, le=1024)
     """torch intra-op threads of the peer's compute thread (training, eval, outer steps); 0 keeps torch's default."""
     shutdown_grace: float = Field(30.0, gt=0)
-    """Seconds a graceful leave (SIGTERM, Ctrl+C) may take: finish the inner step, write the checkpoint,
-    withdraw from the swarm. Past it the daemon exits at once with code 1 (the last checkpoint stays valid)."""
+    """Seconds a graceful leave (SIGTERM, Ctrl+C, or the end of ``max_rounds``) may take: finish the inner step,
+    write the checkpoint, withdraw from the swarm, stop the DHT. Past it the daemon exits at once with code 1 and
+    its children with it (the last checkpoint stays valid)."""
 
 
 class ModelConfig(_Section):

@@ -47,6 +47,7 @@ import torch
 from ..averaging.pseudo_gradient_averager import PseudoGradientAverager
 from ..config import AveragingConfig
 from ..config.faults import NO_FAULTS, Faults
+from ..swarm import hivemind_calls
 from ..swarm.progress import QUORUM, ProgressRecord, quorum_epoch, voters
 from ..training.model import param_sha256
 from ..training.outer_optimizer import OuterOptimizer
@@ -192,7 +193,7 @@ class StateSync:
                 donor = queue.pop(0)
                 result.attempts += 1
                 try:
-                    metadata, tensors, received = await asyncio.to_thread(
+                    metadata, tensors, received = await hivemind_calls.call(
                         self.averager.download_state_from, donor, self.cfg.sync_timeout)
                     if len(tensors) < 2 * len(self.outer.params):  # a reset stream (e.g. a relay's limit) ends
                         # like a complete one, between two tensors: a network fault, not the donor's offense

@@ -46,6 +46,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint, constr
 
 from ..config.faults import NO_FAULTS, Faults
+from . import hivemind_calls
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ MAX_TTL = 600.0
 """Seconds into the future a DHT record may expire at most. Ours live 3 heartbeats, hivemind's matchmaking
 and state-sharing records a few matchmaking periods or ``3 * heartbeat``: all far below. It also bounds
 the clock skew a peer may have (its records' expirations are in its own clock)."""
+DHT_CALL_TIMEOUT = 30.0
+"""Seconds a DHT get or store may take: a healthy one answers within hivemind's RPC timeouts (a few seconds);
+one that takes longer waits on a DHT process that is gone, and is abandoned (``hivemind_calls``)."""
 
 
 class PeerStats(BaseModel):
@@ -155,7 +159,7 @@ def quorum_epoch(records: list[ProgressRecord], quorum: float = QUORUM) -> int |
 
 async def fetch_progress(dht: DHT, run_id: str) -> list[ProgressRecord]:
     """The live progress records of the run, one per peer (withdrawn and expired ones left out)."""
-    found = await asyncio.to_thread(dht.get, f"{run_id}_progress", latest=True)
+    found = await hivemind_calls.call(dht.get, f"{run_id}_progress", latest=True, timeout=DHT_CALL_TIMEOUT)
     if found is None or not isinstance(found.value, dict):
         return []
     records = []
@@ -213,9 +217,8 @@ class SwarmProgress:
     async def _store(self, value) -> None:
         if value is not None and self.faults.lie_epoch is not None:
             value = {**value, "epoch": self.faults.lie_epoch, "round": self.faults.lie_epoch}
-        ok = await asyncio.to_thread(
-            self.dht.store, self.key, value, get_dht_time() + 3 * self.heartbeat, subkey=self.subkey
-        )
+        ok = await hivemind_calls.call(self.dht.store, self.key, value, get_dht_time() + 3 * self.heartbeat,
+                                       subkey=self.subkey, timeout=DHT_CALL_TIMEOUT)
         if not ok:
             logger.debug("progress record was not stored by any DHT node (alone in the swarm?)")
 

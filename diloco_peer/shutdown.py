@@ -1,0 +1,72 @@
+"""Stopping a long-lived process (a peer, a bootstrap node): it always ends, and never leaves children behind.
+
+- The first SIGTERM, SIGINT (Ctrl+C) or SIGHUP asks it to leave cleanly: a peer finishes its inner step, writes
+  a checkpoint and withdraws from the swarm.
+- A second one ends it at once (exit 130), its children (DHT, averager, p2pd) with it.
+- A stop that overruns its grace period ends it too (exit 1): the last complete checkpoint stays valid, since
+  checkpoints are written to a temporary file and renamed.
+
+The deadline is a daemon thread, not a timer of the event loop: it fires whatever the main thread is stuck in
+(a blocking call, the loop closing). It is armed by the first signal and, for a run that ends by itself
+(``run.max_rounds``), when leaving starts: leaving is bounded either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+
+from .reaper import exit_with_children
+
+logger = logging.getLogger("diloco_peer")
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Shutdown:
+    """The stop request of one process, and the guarantee that it ends.
+
+    :param grace: seconds from the stop request (or from ``arm()``) to a forced exit
+    :param leaving: what the process does when asked, for the log line (e.g. "leaving after the current
+      inner step")
+    """
+
+    def __init__(self, grace: float, leaving: str):
+        self.grace, self.leaving = grace, leaving
+        self.requested = False
+        """True once a signal asked us to stop (the loops check it)."""
+        self._armed = False
+        self._finished = threading.Event()
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Handle SIGTERM, SIGINT and SIGHUP on ``loop`` (call it from the loop's thread)."""
+        for sig in SIGNALS:
+            loop.add_signal_handler(sig, self.request, sig.name)
+
+    def request(self, signame: str) -> None:
+        """A stop was asked for (by ``signame``): the first time, leave cleanly; the second, exit at once."""
+        if self.requested:
+            logger.warning(f"second {signame}: exiting now")
+            exit_with_children(130)
+        self.requested = True
+        logger.info(f"{signame}: {self.leaving}, within {self.grace:g}s (press Ctrl+C again to exit at once)")
+        self.arm()
+
+    def arm(self) -> None:
+        """From now on, the process ends within ``grace`` seconds, whatever it is doing."""
+        if self._armed:
+            return
+        self._armed = True
+        threading.Thread(target=self._deadline, name="shutdown-deadline", daemon=True).start()
+
+    def finished(self) -> None:
+        """Everything is stopped: the deadline is off."""
+        self._finished.set()
+
+    def _deadline(self) -> None:
+        if not self._finished.wait(self.grace):
+            logger.error(f"could not leave cleanly within {self.grace:g}s (run.shutdown_grace): exiting now "
+                         f"(the last complete checkpoint stays valid)")
+            exit_with_children(1)
