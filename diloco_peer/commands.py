@@ -174,7 +174,7 @@ def join(args: argparse.Namespace) -> int:
     from .swarm.admission import load_admission
 
     load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
-    return uvloop.run(PeerDaemon(cfg, args.bootstrap, args.name or "").run())
+    return uvloop.run(PeerDaemon(cfg, args.bootstrap, args.name or "", owns_process=True).run())
 
 
 def demo(args: argparse.Namespace) -> int:

@@ -58,11 +58,12 @@ class PeerDaemon:
     :param cfg: the validated config tree
     :param initial_peers: bootstrap multiaddrs (one reachable is enough); empty starts a new swarm
     :param name: a human name for logs and the event file (default: the tail of the peer id)
+    :param owns_process: the daemon is this process's whole run (the CLI's ``join``), see ``Shutdown``
     """
 
-    def __init__(self, cfg: PeerConfig, initial_peers: list[str], name: str = ""):
+    def __init__(self, cfg: PeerConfig, initial_peers: list[str], name: str = "", owns_process: bool = False):
         self.cfg, self.initial_peers, self.name = cfg, list(initial_peers), name
-        self.shutdown = Shutdown(cfg.run.shutdown_grace, "leaving after the current inner step")
+        self.shutdown = Shutdown(cfg.run.shutdown_grace, "leaving after the current inner step", owns_process)
         self.trainer: Trainer | None = None
         """The replica and its inner optimizer; kept after ``run`` returns, for inspection (tests)."""
         self.outer: OuterOptimizer | None = None

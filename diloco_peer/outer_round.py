@@ -358,12 +358,12 @@ class OuterRounds:
                 await self.progress.publish(joined=True)
             return False
         logger.info(f"state sync: {why}; downloading epoch {target.epoch} from one of {len(target.holders)} peers")
-        result = await self.sync.sync(target)
+        result = await self.sync.sync(target, self.should_stop)
         for _ in range(2):  # the swarm stepped on during the download: once more, for its new state
-            if not result.moved_on or not self.sync.needs_sync(
+            if not result.moved_on or self.should_stop() or not self.sync.needs_sync(
                     target := swarm_target(await self.progress.swarm_records())):
                 break
-            result = (await self.sync.sync(target)).after(result)
+            result = (await self.sync.sync(target, self.should_stop)).after(result)
         self.events.write("sync", peer=self.name, reason=why, donor=result.donor, epoch=result.epoch,
                           seconds=result.seconds, bytes=result.bytes, attempts=result.attempts, ok=result.ok,
                           error=result.error, donor_errors=result.donor_errors)

@@ -31,10 +31,13 @@ class Shutdown:
     :param grace: seconds from the stop request (or from ``arm()``) to a forced exit
     :param leaving: what the process does when asked, for the log line (e.g. "leaving after the current
       inner step")
+    :param owns_process: this is the process's own run (the CLI), not one run among others (a test): after
+      ``finished()``, a signal ends the process at once (the event loop, closing, would otherwise give SIGTERM
+      back to the system's default, death by the signal, and the exit code would not say what happened)
     """
 
-    def __init__(self, grace: float, leaving: str):
-        self.grace, self.leaving = grace, leaving
+    def __init__(self, grace: float, leaving: str, owns_process: bool = False):
+        self.grace, self.leaving, self.owns_process = grace, leaving, owns_process
         self.requested = False
         """True once a signal asked us to stop (the loops check it)."""
         self._armed = False
@@ -62,8 +65,16 @@ class Shutdown:
         threading.Thread(target=self._deadline, name="shutdown-deadline", daemon=True).start()
 
     def finished(self) -> None:
-        """Everything is stopped: the deadline is off."""
+        """Everything is stopped: the deadline is off. Call it from the event loop's thread, last."""
         self._finished.set()
+        if self.owns_process:  # only the interpreter's own teardown is left: a signal now just ends it
+            loop = asyncio.get_running_loop()
+            for sig in SIGNALS:
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, self._exit_now)
+
+    def _exit_now(self, signum: int, frame) -> None:
+        exit_with_children(130 if self.requested else 0)
 
     def _deadline(self) -> None:
         if not self._finished.wait(self.grace):

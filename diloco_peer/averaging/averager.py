@@ -26,6 +26,7 @@ from ..config.faults import NO_FAULTS, Faults
 from ..swarm import hivemind_calls
 from ..swarm.admission import Admission
 from .allreduce import FAILED_VALUES, RECEIVED, RELAYED, SENT, TRANSFER_US
+from .hivemind_internals import keeping_our_sigint
 from .compression import ErrorFeedback, WireCompression, get_codec
 from .pseudo_gradient_averager import PseudoGradientAverager
 from .robust_aggregation import BanList, Limits
@@ -90,29 +91,30 @@ class RoundAverager:
         averager_logger = logging.getLogger("hivemind.averaging.averager")
         if not any(isinstance(f, _ExpectedFailuresInOneLine) for f in averager_logger.filters):
             averager_logger.addFilter(_ExpectedFailuresInOneLine())
-        self.averager = PseudoGradientAverager(
-            tensors,
-            dht,
-            prefix=f"{run_id}_outer",
-            start=True,
-            min_group_size=2,
-            min_matchmaking_time=cfg.matchmaking_time,
-            request_timeout=cfg.request_timeout,
-            allreduce_timeout=cfg.allreduce_timeout,
-            sender_timeout=cfg.allreduce_timeout / 2,
-            reducer_timeout=cfg.allreduce_timeout * 0.75,
-            next_chunk_timeout=cfg.allreduce_timeout / 4,
-            compression=wire_compression(cfg.compression),
-            bandwidth=cfg.bandwidth or None,
-            shutdown_timeout=5,
-            declare_state_period=max(cfg.heartbeat * 3, 5.0),
-            limits=Limits(max_update_ratio=cfg.max_update_ratio, max_weight_ratio=cfg.max_weight_ratio,
-                          robust=cfg.aggregation == "robust", min_cosine=cfg.min_cosine),
-            admission=admission,
-            bans=BanList(cfg.ban_after, cfg.ban_seconds),
-            progress_key=f"{run_id}_progress",
-            faults=faults,
-        )
+        with keeping_our_sigint():  # hivemind would leave Ctrl+C ignored in this process
+            self.averager = PseudoGradientAverager(
+                tensors,
+                dht,
+                prefix=f"{run_id}_outer",
+                start=True,
+                min_group_size=2,
+                min_matchmaking_time=cfg.matchmaking_time,
+                request_timeout=cfg.request_timeout,
+                allreduce_timeout=cfg.allreduce_timeout,
+                sender_timeout=cfg.allreduce_timeout / 2,
+                reducer_timeout=cfg.allreduce_timeout * 0.75,
+                next_chunk_timeout=cfg.allreduce_timeout / 4,
+                compression=wire_compression(cfg.compression),
+                bandwidth=cfg.bandwidth or None,
+                shutdown_timeout=5,
+                declare_state_period=max(cfg.heartbeat * 3, 5.0),
+                limits=Limits(max_update_ratio=cfg.max_update_ratio, max_weight_ratio=cfg.max_weight_ratio,
+                              robust=cfg.aggregation == "robust", min_cosine=cfg.min_cosine),
+                admission=admission,
+                bans=BanList(cfg.ban_after, cfg.ban_seconds),
+                progress_key=f"{run_id}_progress",
+                faults=faults,
+            )
 
     async def average(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int) -> RoundResult:
         """All-reduce ``pseudo_gradient`` (weighted by ``weight``, the tokens behind it) with a group."""

@@ -15,6 +15,8 @@ attribute and the version, where they differ.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 from collections.abc import Callable
 
 import torch
@@ -24,8 +26,8 @@ from hivemind.p2p import P2P, PeerID
 
 from ..swarm.p2pd_internals import HIVEMIND_VERSION, PrivateUse
 
-__all__ = ["HIVEMIND_VERSION", "INVENTORY", "ban_sender", "mark_state_updated", "own_input_parts", "p2p_of",
-           "patch_join_requests", "running_group", "send_to_averager_process"]
+__all__ = ["HIVEMIND_VERSION", "INVENTORY", "ban_sender", "keeping_our_sigint", "mark_state_updated", "own_input_parts",
+           "p2p_of", "patch_join_requests", "running_group", "send_to_averager_process"]
 
 AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
 MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
@@ -56,6 +58,9 @@ INVENTORY = (
     *_reads(AVERAGER, "the accessors below", "_p2p", "_outer_pipe", "_running_groups", "_matchmaking",
             "_state_updated"),
     *_reads(AVERAGER, _OURS, "serializer", "prefix", "total_size", "allreduce_kwargs"),
+    PrivateUse(AVERAGER, "run_in_background", "relies",
+               "keeping_our_sigint: it sets SIGINT to SIG_IGN in the calling process, before it forks",
+               ("await_ready", "timeout"), "028dd8b1e9b723d83bf30d357049eea84d9c26b94d318282bd34835dadf39fb7"),
     PrivateUse(MATCHMAKING, "_request_join_group", "patch", "patch_join_requests (per averager instance)",
                ("leader",)),
     # the all-reduce of one group
@@ -110,6 +115,22 @@ def send_to_averager_process(averager: DecentralizedAverager, method: str, *args
     """From the host process: run ``averager.<method>(*args, **kwargs)`` (a coroutine method) as a task in the
     averager process, through the pipe hivemind's own ``step`` uses (``_outer_pipe``)."""
     averager._outer_pipe.send((method, list(args), kwargs))
+
+
+@contextlib.contextmanager
+def keeping_our_sigint():
+    """Start a hivemind averager inside this, and our SIGINT handling (Ctrl+C: leave cleanly) survives it.
+
+    ``DecentralizedAverager.run_in_background`` sets SIGINT to ``SIG_IGN`` in the *calling* process, so that the
+    averager process it forks ignores Ctrl+C; it never puts the handler back. Without this, a peer ignored
+    Ctrl+C (and any SIGINT) from its first averager on (found by the lifecycle tests).
+    """
+    ours = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        if ours is not None:  # None: a handler not installed from Python, which we cannot put back
+            signal.signal(signal.SIGINT, ours)
 
 
 def patch_join_requests(averager: DecentralizedAverager, refuses: Callable[[PeerID], bool]) -> None:

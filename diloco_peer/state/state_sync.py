@@ -40,6 +40,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -176,8 +177,9 @@ class StateSync:
         later = metadata.get("epoch")
         return isinstance(later, int) and target.epoch < later <= target.epoch + 2
 
-    async def sync(self, target: Target) -> SyncResult:
-        """Download ``target`` from one of its holders and make it ours; never raises."""
+    async def sync(self, target: Target, should_stop: Callable[[], bool] = lambda: False) -> SyncResult:
+        """Download ``target`` from one of its holders and make it ours; never raises. Gives up at once (the
+        download in flight abandoned) when ``should_stop()``: a peer asked to leave does not finish a sync."""
         started = time.perf_counter()
         me = self.averager.peer_id.to_base58()
         donors = [p for p in target.holders if p != me]
@@ -189,16 +191,21 @@ class StateSync:
         self.averager.allow_state_sharing = False  # nobody should download from us while we are behind
         queue = list(donors)
         try:
-            while queue and result.attempts < self.cfg.sync_attempts:
+            while queue and result.attempts < self.cfg.sync_attempts and not should_stop():
                 donor = queue.pop(0)
                 result.attempts += 1
                 try:
-                    metadata, tensors, received = await hivemind_calls.call(
-                        self.averager.download_state_from, donor, self.cfg.sync_timeout)
+                    metadata, tensors, received = await _unless_stopped(hivemind_calls.call(
+                        self.averager.download_state_from, donor, self.cfg.sync_timeout), should_stop)
                     if len(tensors) < 2 * len(self.outer.params):  # a reset stream (e.g. a relay's limit) ends
                         # like a complete one, between two tensors: a network fault, not the donor's offense
                         raise RuntimeError(f"the state download broke off after {len(tensors)} of "
                                            f"{2 * len(self.outer.params)} tensors")
+                except asyncio.CancelledError:
+                    if not should_stop():
+                        raise  # cancelled from outside: not ours to swallow
+                    result.error = "stopped: asked to leave during the download"
+                    break
                 except Exception as e:
                     result.error = f"donor {donor[-8:]}: {e}"
                     result.donor_errors.append(result.error)
@@ -229,3 +236,14 @@ class StateSync:
             self.averager.allow_state_sharing = True
             result.seconds = time.perf_counter() - started
         return result
+
+
+async def _unless_stopped(download, should_stop: Callable[[], bool], poll: float = 0.5):
+    """``await download``, unless ``should_stop()`` turns true first: then it is cancelled (``CancelledError``)."""
+    task = asyncio.ensure_future(download)
+    while not task.done():
+        if should_stop():
+            task.cancel()
+            raise asyncio.CancelledError()
+        await asyncio.wait({task}, timeout=poll)
+    return task.result()
