@@ -2,13 +2,13 @@
 
     diloco-peer bootstrap --identity ./boot.key --listen /ip4/0.0.0.0/tcp/31337
 
-It trains nothing. It keeps a stable peer id (``--identity``; the key is created on first run), prints
-the exact ``diloco-peer join ...`` line to give to volunteers, stores and validates the run's signed
-progress records like any DHT node, relays for peers behind NAT and dials peers back when they ask whether they
-are reachable (reachability.py), and logs a one-line summary of the
-swarm every ``--report-every`` seconds. With ``--metrics-port`` it serves the swarm-wide gauges of
-``monitor.py`` on ``/metrics``. ``diloco-peer status <bootstrap>`` (``run_status``) prints the same view as
-a table. Deploy files (a systemd unit) live in ``bootstrap/`` at the top of the repository.
+It trains nothing. It keeps a stable peer id (``--identity``; the key is created on first run, and a second
+process with it stops at once: ``swarm.addresses.hold_identity``), prints the exact ``diloco-peer join ...``
+line to give to volunteers, stores and validates the run's signed progress records like any DHT node, relays
+for peers behind NAT and dials peers back when they ask whether they are reachable (reachability.py), and logs
+a one-line summary of the swarm every ``--report-every`` seconds. With ``--metrics-port`` it serves the
+swarm-wide gauges of ``monitor.py`` on ``/metrics``. ``diloco-peer status <bootstrap>`` (``run_status``) prints
+the same view as a table. Deploy files (a systemd unit) live in ``bootstrap/`` at the top of the repository.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .config import MetricsConfig, SwarmConfig
 from .observe.metrics import MetricsServer
 from .observe.monitor import SwarmMonitor, format_status, status_json, summarize
 from .reaper import Reaper
-from .swarm.addresses import parse_multiaddr
+from .swarm.addresses import hold_identity, parse_multiaddr
 from .swarm.join import join_address, join_dht_peers, start_dht, visible_addresses
 from .swarm.progress import add_progress_validators, fetch_progress
 from .swarm.reachability import ProbeService
@@ -42,6 +42,8 @@ async def run_bootstrap(
     report_every: float, metrics: MetricsConfig | None = None, address_file: str = "", secret_file: str = "",
 ) -> int:
     cfg = SwarmConfig(host_maddrs=listen, announce_maddrs=announce, identity_path=identity, secret_file=secret_file)
+    if identity:  # one process per identity: a second bootstrap with this key stops here, with nothing to tear down
+        hold_identity(identity)
     monitor = SwarmMonitor(run_id)
     # before the DHT starts: a busy metrics port fails at once, with nothing to tear down
     server = MetricsServer(monitor, metrics) if metrics is not None and metrics.port else None

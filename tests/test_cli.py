@@ -10,6 +10,7 @@ import json
 import os
 import pty
 import re
+import signal
 import socket
 import struct
 import subprocess
@@ -390,7 +391,7 @@ async def _started(*args, **kwargs) -> int:
 
 
 class _StartedDaemon:
-    def __init__(self, cfg, bootstrap, name):
+    def __init__(self, cfg, bootstrap, name, owns_process=False):
         pass
 
     async def run(self) -> int:
@@ -457,13 +458,33 @@ def test_fuzzed_command_lines_exit_with_a_documented_code_and_one_line(commands_
 
 
 def test_two_processes_with_one_identity_the_second_fails_fast(local_swarm):
-    key = local_swarm.workdir / "one.key"
-    assert run_cli("keygen", str(key)).returncode == 0
+    """One identity, one process: while a bootstrap runs, a second bootstrap, a join and a relaying join with its
+    key stop at once (the key file's lock); a copy of the key, as on another machine, is found by hivemind's
+    check on the DHT. The first keeps serving, and once it is SIGKILLed its identity is free again."""
+    key = local_swarm.workdir / "keys" / "one.key"  # created on first use, by the first bootstrap
     address = local_swarm.start_bootstrap("--identity", str(key))
-    started = time.monotonic()
-    second = run_cli("join", address, "--identity", str(key), "--set", 'checkpoint.dir=""')
-    assert second.returncode == cli.EXIT_RUNTIME, second
-    assert second.stderr.strip().splitlines() == [
-        f"diloco-peer: error: identity {key} is already used by another running peer: give each process its "
-        f"own --identity file"]
-    assert time.monotonic() - started < 30
+    first = local_swarm.procs[-1]
+    join = ["join", address, "--reachability", "direct", "--set", 'checkpoint.dir=""',
+            "--set", f"run.log_dir={json.dumps(str(local_swarm.workdir))}"]
+
+    def in_use(path: Path) -> tuple[int, list[str]]:
+        return cli.EXIT_RUNTIME, [f"diloco-peer: error: identity {path} is already used by another running peer: "
+                                  f"give each process its own --identity file"]
+
+    for second in (["bootstrap", "--identity", str(key), "--listen", "/ip4/127.0.0.1/tcp/0"],
+                   [*join, "--identity", str(key)], [*join, "--identity", str(key), "--relay"]):
+        started = time.monotonic()
+        result = run_cli(*second)
+        assert (result.returncode, result.stderr.strip().splitlines()) == in_use(key), result
+        assert time.monotonic() - started < 5, (second, time.monotonic() - started)
+    copy = local_swarm.workdir / "copy.key"
+    copy.write_bytes(key.read_bytes())
+    result = run_cli(*join, "--identity", str(copy))
+    assert (result.returncode, result.stderr.strip().splitlines()) == in_use(copy), result
+
+    assert first.poll() is None
+    socket.create_connection(("127.0.0.1", int(address.split("/tcp/")[1].split("/")[0])), timeout=5).close()
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    again = local_swarm.start_bootstrap("--identity", str(key), log_name="again.log")
+    assert again.rsplit("/p2p/", 1)[1] == address.rsplit("/p2p/", 1)[1]

@@ -2,7 +2,8 @@
 
 Bootstrap nodes and peers both run a hivemind DHT; the DHT lives in its own process with its own event
 loop and p2pd child process. A peer dials one or more bootstrap multiaddrs; one reachable bootstrap is
-enough. ``identity_path`` gives a stable peer id across restarts (the key file is created if missing).
+enough. ``identity_path`` gives a stable peer id across restarts (the key file is created if missing), and
+is claimed for this process before the DHT starts (``addresses.hold_identity``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from multiaddr import Multiaddr
 
 from ..config import SwarmConfig
 from . import reachability, relay
-from .addresses import BootstrapUnreachable, SwarmError, parse_multiaddr
+from .addresses import BootstrapUnreachable, SwarmError, hold_identity, identity_in_use, parse_multiaddr
 from .admission import load_admission
 from .p2pd_internals import p2pd_client, p2pd_flags
 from .reachability import DIRECT, OUTBOUND, RELAYED, Reach
@@ -44,6 +45,9 @@ def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool =
     for addr in [*cfg.host_maddrs, *cfg.announce_maddrs]:
         parse_multiaddr(addr, need_peer_id=False, what="listen/announce address")
     admission = load_admission(cfg.secret_file, cfg.allowlist)
+    # one process per identity on this machine (its key file's lock); a key we just made is in use nowhere else,
+    # so hivemind's check for it on the network (another machine with a copy of the key) is skipped
+    created = hold_identity(cfg.identity_path) if cfg.identity_path else False
     announce = [f"{r}/p2p-circuit" for r in relays] or list(cfg.announce_maddrs)
     nat = dict(use_auto_relay=True, trusted_relays=list(relays), force_reachability="private") if relays else {}
     try:
@@ -55,6 +59,7 @@ def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool =
                 host_maddrs=list(cfg.host_maddrs),
                 announce_maddrs=announce or None,
                 identity_path=cfg.identity_path or None,
+                check_if_identity_free=not created,
                 client_mode=client_mode,
                 startup_timeout=cfg.startup_timeout,
                 authorizer=admission.authorizer(),  # a closed swarm: every DHT message signed with its secret
@@ -71,11 +76,8 @@ def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool =
                 + ("; this peer uses a swarm secret: check it is the swarm's (swarm.secret_file)" if cfg.secret_file
                    else "; if the swarm is closed, set swarm.secret_file to its secret")
             ) from None
-        if "already taken" in message:
-            raise SwarmError(
-                f"identity {cfg.identity_path} is already used by another running peer: give each "
-                f"process its own --identity file"
-            ) from None
+        if "already taken" in message:  # hivemind's check: another machine runs a copy of our key
+            raise identity_in_use(cfg.identity_path) from None
         raise SwarmError(f"could not start the DHT node: {message}") from None
 
 
@@ -147,6 +149,8 @@ async def join_swarm(cfg: SwarmConfig, initial_peers: list[str], should_stop=lam
                      ) -> tuple[DHT, Reach] | None:
     """Start the DHT (``start_reachable_dht``); while no bootstrap is reachable, retry with backoff (2 s doubling
     to 60 s) for up to ``cfg.join_timeout`` seconds. Returns None if ``should_stop()`` turns true while waiting."""
+    if cfg.identity_path:  # before the reachability probe and any wait: a second process stops at once
+        await asyncio.to_thread(hold_identity, cfg.identity_path)
     started, delay = time.monotonic(), 2.0
     while True:
         try:
