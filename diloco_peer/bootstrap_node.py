@@ -14,8 +14,8 @@ the same view as a table. Deploy files (a systemd unit) live in ``bootstrap/`` a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import signal
 import time
 from pathlib import Path
 
@@ -26,6 +26,8 @@ from .config import MetricsConfig, SwarmConfig
 from .observe.metrics import MetricsServer
 from .observe.monitor import SwarmMonitor, format_status, status_json, summarize
 from .reaper import Reaper
+from .shutdown import Shutdown
+from .swarm import hivemind_calls
 from .swarm.addresses import hold_identity, parse_multiaddr
 from .swarm.join import join_address, join_dht_peers, start_dht, visible_addresses
 from .swarm.progress import add_progress_validators, fetch_progress
@@ -34,6 +36,7 @@ from .swarm.reachability import ProbeService
 logger = logging.getLogger("diloco_peer.bootstrap")
 
 MONITOR_REFRESH_SECONDS = 5.0
+SHUTDOWN_GRACE = 30.0  # seconds a bootstrap node may take to stop (then it exits 1); a second signal: at once
 RELAY_STARTS = 5
 
 
@@ -49,17 +52,17 @@ async def run_bootstrap(
     server = MetricsServer(monitor, metrics) if metrics is not None and metrics.port else None
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     reaper = Reaper()  # a SIGKILLed bootstrap must not leave its DHT process and p2pd behind
+    stop = asyncio.Event()
+    shutdown = Shutdown(SHUTDOWN_GRACE, "shutting down", owns_process=True, on_request=stop.set)
+    shutdown.install(asyncio.get_running_loop())
     try:
         dht, probes = await start_relay(cfg, initial_peers)
     except BaseException:
         reaper.close()
+        shutdown.finished()
         raise
     reaper.watch([c.pid for c in psutil.Process().children(recursive=True)
                   if c.pid not in before and c.pid != reaper.proc.pid])
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
         add_progress_validators(dht, run_id)
         address = join_address(dht)
@@ -89,11 +92,14 @@ async def run_bootstrap(
         logger.info("bootstrap node shutting down")
         return 0
     finally:
+        shutdown.arm()  # stopping is bounded, asked to or not
         await probes.close()
-        await asyncio.to_thread(dht.shutdown)
+        with contextlib.suppress(TimeoutError):  # a DHT process that stopped answering is the reaper's
+            await hivemind_calls.call(dht.shutdown, timeout=SHUTDOWN_GRACE / 2)
         reaper.close()
         if server is not None:
             server.close()
+        shutdown.finished()
 
 
 async def start_relay(cfg: SwarmConfig, initial_peers: list[str], starts: int = RELAY_STARTS
@@ -106,7 +112,7 @@ async def start_relay(cfg: SwarmConfig, initial_peers: list[str], starts: int = 
     for addr in initial_peers:
         parse_multiaddr(addr, need_peer_id=True, what="--initial-peer address")
     for start in range(1, starts + 1):
-        dht = await asyncio.to_thread(start_dht, cfg, [], relay_service=True)
+        dht = await hivemind_calls.call(start_dht, cfg, [], relay_service=True)
         try:
             probes = await ProbeService.start(dht)
             try:
@@ -121,16 +127,16 @@ async def start_relay(cfg: SwarmConfig, initial_peers: list[str], starts: int = 
                     logger.error(f"relay: {problem}, in {starts} starts; serving anyway: peers behind NAT cannot "
                                  f"average through this node (check the hivemind version: 1.1.12 is tested)")
                 try:
-                    await asyncio.to_thread(join_dht_peers, dht, initial_peers)
+                    await hivemind_calls.call(join_dht_peers, dht, initial_peers)
                 except BaseException:
                     await probes.close()
                     raise
                 return dht, probes
             await probes.close()
         except BaseException:
-            await asyncio.to_thread(dht.shutdown)
+            await hivemind_calls.call(dht.shutdown)
             raise
-        await asyncio.to_thread(dht.shutdown)
+        await hivemind_calls.call(dht.shutdown)
         logger.warning(f"relay: {problem}; starting the node again ({start}/{starts})")
     raise AssertionError("unreachable: the last start returns")
 
@@ -138,7 +144,7 @@ async def start_relay(cfg: SwarmConfig, initial_peers: list[str], starts: int = 
 async def run_status(bootstrap: list[str], run_id: str, as_json: bool, wait: float, secret_file: str = "") -> int:
     """``diloco-peer status``: join the DHT as a client, print the swarm's table, leave."""
     cfg = SwarmConfig(host_maddrs=["/ip4/0.0.0.0/tcp/0"], startup_timeout=max(wait, 1.0), secret_file=secret_file)
-    dht = await asyncio.to_thread(start_dht, cfg, bootstrap, client_mode=True)
+    dht = await hivemind_calls.call(start_dht, cfg, bootstrap, client_mode=True)
     try:
         add_progress_validators(dht, run_id)
         deadline = time.monotonic() + wait
@@ -150,4 +156,4 @@ async def run_status(bootstrap: list[str], run_id: str, as_json: bool, wait: flo
         print(status_json(summary, run_id) if as_json else format_status(summary, run_id), flush=True)
         return 0
     finally:
-        await asyncio.to_thread(dht.shutdown)
+        await hivemind_calls.call(dht.shutdown)

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import signal
 import threading
+from collections.abc import Callable
 
 from .reaper import exit_with_children
 
@@ -34,10 +35,12 @@ class Shutdown:
     :param owns_process: this is the process's own run (the CLI), not one run among others (a test): after
       ``finished()``, a signal ends the process at once (the event loop, closing, would otherwise give SIGTERM
       back to the system's default, death by the signal, and the exit code would not say what happened)
+    :param on_request: called (in the event loop) when the first stop request arrives, e.g. to wake a loop
     """
 
-    def __init__(self, grace: float, leaving: str, owns_process: bool = False):
-        self.grace, self.leaving, self.owns_process = grace, leaving, owns_process
+    def __init__(self, grace: float, leaving: str, owns_process: bool = False,
+                 on_request: Callable[[], None] | None = None):
+        self.grace, self.leaving, self.owns_process, self.on_request = grace, leaving, owns_process, on_request
         self.requested = False
         """True once a signal asked us to stop (the loops check it)."""
         self._armed = False
@@ -56,6 +59,8 @@ class Shutdown:
         self.requested = True
         logger.info(f"{signame}: {self.leaving}, within {self.grace:g}s (press Ctrl+C again to exit at once)")
         self.arm()
+        if self.on_request is not None:
+            self.on_request()
 
     def arm(self) -> None:
         """From now on, the process ends within ``grace`` seconds, whatever it is doing."""

@@ -19,7 +19,7 @@ from hivemind.p2p import PeerID
 from multiaddr import Multiaddr
 
 from ..config import SwarmConfig
-from . import reachability, relay
+from . import hivemind_calls, reachability, relay
 from .addresses import BootstrapUnreachable, SwarmError, hold_identity, identity_in_use, parse_multiaddr
 from .admission import load_admission
 from .p2pd_internals import p2pd_client, p2pd_flags
@@ -121,26 +121,26 @@ async def start_reachable_dht(cfg: SwarmConfig, initial_peers: list[str]) -> tup
     forward = (f"forward TCP port {port} on your router to this machine and set "
                f"swarm.announce_maddrs=[\"/ip4/<your public IP>/tcp/{port}\"] (or --announce)")
     if mode == DIRECT:
-        dht = await asyncio.to_thread(start_dht, cfg, initial_peers, relay_service=cfg.relay_service)
+        dht = await hivemind_calls.call(start_dht, cfg, initial_peers, relay_service=cfg.relay_service)
         return dht, Reach(DIRECT, detail)
     relays = list(cfg.relays) or list(initial_peers)
     if mode == RELAYED and relays:
-        dht = await asyncio.to_thread(start_dht, cfg, initial_peers, relays=relays)
+        dht = await hivemind_calls.call(start_dht, cfg, initial_peers, relays=relays)
         try:
             p2p = await dht.replicate_p2p()
             carried = await reachability.check_relays(p2p, relays, wait=reachability.RELAY_WAIT)
             held = await relay.usable_relays(p2p, carried)
         except BaseException:
-            await asyncio.to_thread(dht.shutdown)
+            await hivemind_calls.call(dht.shutdown)
             raise
         if held:
             return dht, Reach(RELAYED, f"{detail}; reachable through {len(held)} relay(s): "
                               + ", ".join(r.split("/")[-1][-8:] for r in held),
                               f"Relayed traffic is slower: for direct connections {forward}", held)
-        await asyncio.to_thread(dht.shutdown)
+        await hivemind_calls.call(dht.shutdown)
         detail += (f"; no relay of {len(relays)} dialed us through its circuit within {reachability.RELAY_WAIT:g}s"
                    if not carried else f"; the {len(carried)} relay(s) that dialed us grant too little (warned above)")
-    dht = await asyncio.to_thread(start_dht, cfg, initial_peers, client_mode=True)
+    dht = await hivemind_calls.call(start_dht, cfg, initial_peers, client_mode=True)
     return dht, Reach(OUTBOUND, detail, f"This peer averages only with reachable peers and never leads a group: "
                       f"{forward}, or check swarm.relays")
 
