@@ -9,7 +9,8 @@ rounds and when leaving; ``join`` resumes from the newest one.
 
 SIGTERM/SIGINT/SIGHUP: finish the current inner step, write a checkpoint, withdraw from the swarm, exit 0
 within ``run.shutdown_grace`` seconds (past it: exit 1); a second signal exits at once (130); see
-``shutdown.py``. No child process (p2pd, averager) survives, not even a SIGKILL of the daemon (``reaper.py``).
+``lifecycle/shutdown.py``. No child process (p2pd, averager) survives, not even a SIGKILL of the daemon
+(``lifecycle/reaper.py``).
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ from .config.faults import Faults
 from .observe.events import EventLog
 from .observe.metrics import MetricsServer, PeerMetrics
 from .outer_round import OuterRounds, RoundRecord
-from .reaper import Reaper
-from .shutdown import Shutdown
+from .lifecycle import hivemind_calls
+from .lifecycle.reaper import Reaper
+from .lifecycle.shutdown import Shutdown
 from .state.checkpoint import CheckpointManager, capture, restore
 from .state.state_sync import StateSync
-from .swarm import hivemind_calls
 from .swarm.admission import load_admission
 from .swarm.join import join_swarm, visible_addresses
 from .swarm.progress import SwarmProgress

@@ -6,5 +6,6 @@ join our groups, bans, serving our state), the butterfly all-reduce with exact r
 (``allreduce.py``), the wire codecs (``compression.py``), the checks and robust aggregation every received part
 goes through (``robust_aggregation.py``), and every use of hivemind's private averaging API
 (``hivemind_internals.py``).
-Imports: ``config``, ``training`` and ``swarm`` (admission, p2pd internals); never ``state``, ``observe`` or above.
+Imports: ``config``, ``lifecycle``, ``training`` and ``swarm`` (admission, p2pd internals); never ``state``,
+``observe`` or above.
 """

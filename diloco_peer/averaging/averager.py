@@ -23,7 +23,7 @@ from hivemind.dht import DHT
 
 from ..config import AveragingConfig
 from ..config.faults import NO_FAULTS, Faults
-from ..swarm import hivemind_calls
+from ..lifecycle import hivemind_calls
 from ..swarm.admission import Admission
 from .allreduce import FAILED_VALUES, RECEIVED, RELAYED, SENT, TRANSFER_US
 from .hivemind_internals import keeping_our_sigint

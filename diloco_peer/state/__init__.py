@@ -3,5 +3,5 @@
 Owns: state sync, by which a newcomer or a peer that fell behind downloads the swarm's outer weights,
 momentum and epoch from verified donors (``state_sync.py``), and atomic checkpoints written in the
 background and resumed from (``checkpoint.py``).
-Imports: ``config``, ``training``, ``swarm`` and ``averaging``; never ``observe`` or above.
+Imports: ``config``, ``lifecycle``, ``training``, ``swarm`` and ``averaging``; never ``observe`` or above.
 """

@@ -48,7 +48,7 @@ import torch
 from ..averaging.pseudo_gradient_averager import PseudoGradientAverager
 from ..config import AveragingConfig
 from ..config.faults import NO_FAULTS, Faults
-from ..swarm import hivemind_calls
+from ..lifecycle import hivemind_calls
 from ..swarm.progress import QUORUM, ProgressRecord, quorum_epoch, voters
 from ..training.model import param_sha256
 from ..training.outer_optimizer import OuterOptimizer

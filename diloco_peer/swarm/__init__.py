@@ -4,7 +4,6 @@ Owns: joining the DHT through bootstrap nodes (``join.py``) with a checked ident
 (``addresses.py``), admission to a closed swarm (``admission.py``), the signed progress records, the
 round gate and the swarm's consensus on epoch and state (``progress.py``), and how others reach us:
 reachability probes (``reachability.py``) and circuit relays (``relay.py``); every use of hivemind's private
-p2p API (``p2pd_internals.py``: the p2pd client, the p2pd command-line patch), and the bounded way every
-blocking call into hivemind's processes is made (``hivemind_calls.py``).
-Imports: ``config`` only (and hivemind); never training, averaging, state or anything above.
+p2p API (``p2pd_internals.py``: the p2pd client, the p2pd command-line patch).
+Imports: ``config`` and ``lifecycle`` only (and hivemind); never training, averaging, state or anything above.
 """

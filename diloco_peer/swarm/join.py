@@ -19,7 +19,8 @@ from hivemind.p2p import PeerID
 from multiaddr import Multiaddr
 
 from ..config import SwarmConfig
-from . import hivemind_calls, reachability, relay
+from ..lifecycle import hivemind_calls
+from . import reachability, relay
 from .addresses import BootstrapUnreachable, SwarmError, hold_identity, identity_in_use, parse_multiaddr
 from .admission import load_admission
 from .p2pd_internals import p2pd_client, p2pd_flags

@@ -46,7 +46,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint, constr
 
 from ..config.faults import NO_FAULTS, Faults
-from . import hivemind_calls
+from ..lifecycle import hivemind_calls
 
 logger = logging.getLogger(__name__)
 

@@ -7,6 +7,10 @@ talking over loopback. Peers get distinct data shards and leave by themselves af
 rounds (``run.max_rounds``); the demo follows their event logs for live progress, then stops the
 bootstrap, prints a per-round table, writes ``summary.json`` and ``loss.png`` into ``--out``.
 
+Nothing it starts outlives it. SIGTERM, SIGINT or SIGHUP: it stops the swarm (``_LocalSwarm.stop``), removes
+the NAT namespaces and exits 130; a second signal kills everything at once. If the demo is SIGKILLed, its
+reaper (``reaper.py``) kills its processes and deletes the namespaces; theirs take their DHT and p2pd along.
+
 With ``--nat`` (root: network namespaces) the machine becomes an emulated internet (``netbed.py``): the
 bootstrap on a "public" network, each peer in its own home behind its own NAT router, so every peer finds
 out it cannot be dialed and trains through the bootstrap as a relay (``reachability.py``).
@@ -28,11 +32,19 @@ from tqdm import tqdm
 from ..config import ConfigError, PeerConfig, load_config
 from ..observe.events import EventFollower, read_events
 from ..observe.report import format_table, plot_losses, summarize
+from ..lifecycle.reaper import Reaper, kill_trees, stop_in_order
 from ..swarm.addresses import SwarmError
 from .churn import ChurnAction, due, effects, parse_churn
 from .netbed import EmulatedInternet, available
 
 POLL_SECONDS = 0.5
+STOP_MARGIN = 15.0  # seconds past the peers' run.shutdown_grace that stopping the whole swarm may take
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+EXIT_INTERRUPTED = 130  # cli.EXIT_INTERRUPTED: the demo was stopped by a signal before it finished
+
+
+class Interrupted(Exception):
+    """A stop signal (its name) reached the demo; raised where it polls, so the swarm stops from a known state."""
 
 
 def _python_cmd(*args: str) -> list[str]:
@@ -40,22 +52,12 @@ def _python_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "diloco_peer", *args]
 
 
-def _stop(proc: subprocess.Popen, grace: float = 15.0) -> int | None:
-    """SIGTERM ``proc`` if it still runs, SIGKILL it after ``grace`` seconds; its exit code."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
-
-
-def _wait_for_join_line(log: Path, proc: subprocess.Popen, timeout: float = 60.0) -> str:
-    """The address in the bootstrap node's ``diloco-peer join ADDRESS`` line, once it is in ``log``."""
+def _wait_for_join_line(log: Path, proc: subprocess.Popen, check, timeout: float = 60.0) -> str:
+    """The address in the bootstrap node's ``diloco-peer join ADDRESS`` line, once it is in ``log``; ``check()``
+    is called while waiting (it raises ``Interrupted``)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        check()
         for line in log.read_text().splitlines():
             if line.startswith("diloco-peer join "):
                 return line.split()[2]
@@ -136,8 +138,8 @@ def check_args(args) -> tuple[PeerConfig, list[ChurnAction]]:
 
 class _LocalSwarm:
     """The demo's processes: one bootstrap node and peers ``peer-0``, ``peer-1``, ... (each in its own home
-    behind a NAT router when ``net``, an ``EmulatedInternet``, is given), and what the churn schedule did
-    to them."""
+    behind a NAT router with ``--nat``), and what the churn schedule did to them. As a context manager it owns
+    their lifetime: the stop signals and the reaper are set up on entry; on exit every process is stopped."""
 
     def __init__(self, args, cfg: PeerConfig, out: Path):
         self.args, self.cfg, self.out = args, cfg, out
@@ -151,6 +153,61 @@ class _LocalSwarm:
         self.followers: list[EventFollower] = []
         self.removed: set[str] = set()  # peers the churn schedule killed or stopped
         self.contributed: set[str] = set()  # peers that finished a round: the churn schedule removes them first
+        self.signalled: int | None = None
+        """The stop signal that reached the demo, if one did."""
+        self.reaper: Reaper | None = None
+        self._handlers: dict = {}
+
+    def __enter__(self) -> _LocalSwarm:
+        self.reaper = Reaper()  # if the demo is SIGKILLed, its processes and namespaces go with it
+        self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if isinstance(exc, Interrupted):
+            print(f"demo: interrupted ({exc}), stopping the swarm (a second signal kills it at once)",
+                  file=sys.stderr, flush=True)
+        try:
+            self.stop()
+        finally:  # the handlers stay until here: a second signal while stopping still kills everything
+            self.reaper.close()
+            for sig, handler in self._handlers.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self.signalled is None:
+            self.signalled = signum  # acted on where the demo waits (``check``), not at an arbitrary bytecode
+            return
+        kill_trees(self._everyone())
+        os._exit(EXIT_INTERRUPTED)  # the reaper, still watching, deletes the namespaces
+
+    def check(self) -> None:
+        """Raise ``Interrupted`` once a stop signal has come; called wherever the demo waits."""
+        if self.signalled is not None:
+            raise Interrupted(signal.Signals(self.signalled).name)
+
+    def _everyone(self) -> list[subprocess.Popen]:
+        return [*self.procs.values(), *([self.bootstrap] if self.bootstrap else [])]
+
+    def _spawn(self, cmd: list[str], log: Path) -> subprocess.Popen:
+        """``cmd`` writing to ``log``, watched by the reaper, in its own session: a terminal's Ctrl+C reaches it
+        once, through the demo (a second signal would make a peer exit at once, without its checkpoint)."""
+        with log.open("w") as output:
+            proc = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        self.reaper.watch([proc.pid])
+        return proc
+
+    def start(self, homes: int) -> None:
+        """Build the emulated internet (``--nat``: ``homes`` homes), then start the bootstrap node and the peers."""
+        if self.args.nat:
+            net = EmulatedInternet(homes)
+            self.reaper.watch_namespaces(net.namespaces())  # before they exist: none is left if we die meanwhile
+            self.net = net.__enter__()
+            print(f"demo: emulated internet: bootstrap on the public network at {self.net.public_address}, each "
+                  f"peer behind its own NAT router (no port forwarding)", flush=True)
+        self.start_bootstrap()
+        for i in range(self.args.peers):
+            self.start_peer(i)
 
     def _where(self, i: int | None, cmd: list[str]) -> list[str]:
         """``cmd`` run in peer i's home (None: the public network), or as it is without ``--nat``."""
@@ -162,13 +219,9 @@ class _LocalSwarm:
         args, log = self.args, self.out / "bootstrap.log"
         listen = f"/ip4/{self.net.public_address}/tcp/31337" if self.net else "/ip4/127.0.0.1/tcp/0"
         metrics = ["--metrics-port", str(args.metrics_port_base)] if args.metrics_port_base else []
-        with log.open("w") as boot_out:
-            self.bootstrap = subprocess.Popen(
-                self._where(None, _python_cmd("bootstrap", "--listen", listen, "--run-id", self.cfg.run.run_id,
-                                              "--report-every", "10", *metrics)),
-                stdout=boot_out, stderr=subprocess.STDOUT,
-            )
-        self.address = _wait_for_join_line(log, self.bootstrap)
+        self.bootstrap = self._spawn(self._where(None, _python_cmd(
+            "bootstrap", "--listen", listen, "--run-id", self.cfg.run.run_id, "--report-every", "10", *metrics)), log)
+        self.address = _wait_for_join_line(log, self.bootstrap, self.check)
         print(f"demo: bootstrap node at {self.address}", flush=True)
         if args.metrics_port_base:
             print(f"demo: metrics on http://127.0.0.1:{args.metrics_port_base}/metrics (swarm) and ports "
@@ -187,8 +240,7 @@ class _LocalSwarm:
         cmd = _python_cmd("join", self.address, "--name", name, *(["--config", args.config] if args.config else []))
         for item in sets:
             cmd += ["--set", item]
-        with (out / f"{name}.log").open("w") as peer_out:
-            self.procs[name] = subprocess.Popen(self._where(index, cmd), stdout=peer_out, stderr=subprocess.STDOUT)
+        self.procs[name] = self._spawn(self._where(index, cmd), out / f"{name}.log")
         self.logs[name] = out / f"{name}.jsonl"
         self.followers.append(EventFollower(self.logs[name]))
 
@@ -223,9 +275,12 @@ class _LocalSwarm:
         return all(p.poll() is not None for p in self.procs.values())
 
     def stop(self) -> None:
-        """Stop every process that still runs, then take the emulated internet down."""
-        for proc in [*self.procs.values(), *([self.bootstrap] if self.bootstrap else [])]:
-            _stop(proc)
+        """Stop every process that still runs, the peers first, then the bootstrap node (their leave uses its
+        DHT), with the signal that stopped the demo (SIGHUP as SIGTERM) or SIGTERM; SIGKILL what is left after
+        the peers' ``run.shutdown_grace`` plus ``STOP_MARGIN``; then take the emulated internet down."""
+        signum = signal.SIGINT if self.signalled == signal.SIGINT else signal.SIGTERM
+        deadline = time.monotonic() + self.cfg.run.shutdown_grace + STOP_MARGIN
+        stop_in_order([list(self.procs.values()), [self.bootstrap] if self.bootstrap else []], signum, deadline)
         if self.net is not None:
             self.net.close()
 
@@ -245,6 +300,9 @@ def _follow(swarm: _LocalSwarm, actions: list[ChurnAction], progress: _Progress)
     args = swarm.args
     averaging_epochs: set[int] = set()
     while True:
+        if swarm.signalled is not None:
+            progress.close()
+            swarm.check()
         for follower in list(swarm.followers):
             new = follower.new_events()
             averaging_epochs.update(e["epoch"] for e in new if e["event"] == "averaging")
@@ -306,23 +364,16 @@ def run_demo(args) -> int:
     cfg, actions = check_args(args)
     out = Path(args.out)
     _clear(out)
-    swarm = _LocalSwarm(args, cfg, out)
     print(f"demo: 1 bootstrap + {args.peers} peers, {args.rounds} outer rounds of H={cfg.outer.inner_steps} inner "
           f"steps, config {args.config or 'tiny-cpu'}; logs in {out}/", flush=True)
     try:
-        if args.nat:  # one home per peer, joiners of the churn schedule included
-            swarm.net = EmulatedInternet(args.peers + sum(a.count for a in actions if a.action == "join")).__enter__()
-            print(f"demo: emulated internet: bootstrap on the public network at {swarm.net.public_address}, each "
-                  f"peer behind its own NAT router (no port forwarding)", flush=True)
-        swarm.start_bootstrap()
-        for i in range(args.peers):
-            swarm.start_peer(i)
-        failed = _follow(swarm, actions, _Progress(args.peers, args.rounds))
-    except KeyboardInterrupt:
-        print("demo: interrupted, stopping the swarm", file=sys.stderr)
-        return 130
-    finally:
-        swarm.stop()
+        with _LocalSwarm(args, cfg, out) as swarm:
+            swarm.start(homes=args.peers + sum(a.count for a in actions if a.action == "join"))  # joiners too
+            failed = _follow(swarm, actions, _Progress(args.peers, args.rounds))
+    except Interrupted:
+        return EXIT_INTERRUPTED
+    if swarm.signalled is not None:  # it came while the finished swarm was being stopped
+        return EXIT_INTERRUPTED
     return failed if failed is not None else _report(args, swarm, actions)
 
 

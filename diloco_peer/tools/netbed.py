@@ -21,6 +21,8 @@ import os
 import shutil
 import subprocess
 
+from ..lifecycle.reaper import remove_namespace
+
 SUBNET = "10.77.0"
 
 
@@ -122,15 +124,9 @@ class SlowNetwork(_Namespaces):
 
 
 def _remove(namespaces: list[str]) -> None:
-    """Kill what still runs inside each namespace, then delete it (its veths go with it)."""
+    """Kill what still runs inside each namespace, then delete it (its veths go with it), the last made first."""
     for ns in reversed(namespaces):
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), 9)
-            except (ProcessLookupError, ValueError):
-                pass
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        remove_namespace(ns)
     namespaces.clear()
 
 
@@ -170,6 +166,14 @@ class EmulatedInternet(_Namespaces):
     def home(self, i: int) -> str:
         return f"{self.tag}-h{i}"
 
+    def router(self, i: int) -> str:
+        return f"{self.tag}-r{i}"
+
+    def namespaces(self) -> list[str]:
+        """Every namespace this internet makes, in the order it makes them: known before they exist, so that a
+        reaper can be told them beforehand (``demo --nat``)."""
+        return [self.public, *(ns for i in range(1, self.homes + 1) for ns in (self.router(i), self.home(i)))]
+
     def run_public(self, argv: list[str], **kwargs) -> subprocess.Popen:
         return subprocess.Popen(self.command(self.public, argv), **kwargs)
 
@@ -179,7 +183,7 @@ class EmulatedInternet(_Namespaces):
     def forward(self, i: int, port: int) -> None:
         """Forward TCP ``port`` of router ``i``'s public address to home host ``i`` (a user's port forward)."""
         _ip("iptables", "-t", "nat", "-A", "PREROUTING", "-i", "pub0", "-p", "tcp", "--dport", str(port),
-            "-j", "DNAT", "--to-destination", f"{self.home_address(i)}:{port}", ns=f"{self.tag}-r{i}")
+            "-j", "DNAT", "--to-destination", f"{self.home_address(i)}:{port}", ns=self.router(i))
 
     def __enter__(self) -> EmulatedInternet:
         if not shutil.which("iptables"):
@@ -198,7 +202,7 @@ class EmulatedInternet(_Namespaces):
         _ip("ip", "addr", "add", f"{self.public_address}/24", "dev", "br0", ns=pub)
         _ip("ip", "link", "set", "br0", "up", ns=pub)
         for i in range(1, self.homes + 1):
-            router, host = self._add(f"{self.tag}-r{i}"), self._add(self.home(i))
+            router, host = self._add(self.router(i)), self._add(self.home(i))
             _ip("ip", "link", "add", "pub0", "netns", router, "type", "veth", "peer", "name", f"port{i}", "netns", pub)
             _ip("ip", "link", "set", f"port{i}", "master", "br0", ns=pub)
             _ip("ip", "link", "set", f"port{i}", "up", ns=pub)

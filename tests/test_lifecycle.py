@@ -1,20 +1,190 @@
-"""Every process ends when asked, and nothing outlives it: the lifecycle matrix (issue 15)."""
+"""Every process ends when asked, and nothing outlives it: real processes, their trees compared by pid.
+
+Each case starts real processes, records the tree they make (p2pd daemons and reapers included), stops the
+top one the way an operator, a supervisor or the OOM killer does (the signal goes to that pid only, not to
+its process group), and checks the exit code, the time it took, and that no process of the tree is left.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import FAST, wait_for_line, wait_until
+from conftest import FAST, diloco_cmd, wait_for_line, wait_until
 
+from diloco_peer.cli import EXIT_INTERRUPTED
 from diloco_peer.config.faults import FAULT_ENV
+from diloco_peer.lifecycle.reaper import remove_namespace
+from diloco_peer.observe.events import read_events
+from diloco_peer.tools import netbed
+from diloco_peer.tools.demo import STOP_MARGIN
 
-pytestmark = pytest.mark.slow
+GRACE = 10.0  # the demo peers' run.shutdown_grace: the demo's stop bound is GRACE + STOP_MARGIN
+GONE_AFTER_SIGKILL = 15.0  # seconds in which a SIGKILLed demo's processes (and namespaces) must be gone
+RELAYED = ["averaging.request_timeout=2.0", "averaging.matchmaking_time=3.0"]  # as in test_nat.py
+
+
+def alive(tree: list[psutil.Process]) -> list[psutil.Process]:
+    """The processes of ``tree`` that still run (psutil compares start times: a recycled pid is not ours)."""
+    running = []
+    for p in tree:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                running.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return running
+
+
+def command(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return "(gone)"
+
+
+def describe(tree: list[psutil.Process]) -> str:
+    return "; ".join(f"{p.pid} {command(p)[:100]}" for p in tree)
+
+
+def namespaces(prefix: str) -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    return [line.split()[0] for line in listed if line.startswith(prefix)]
+
+
+def need_namespaces() -> None:
+    why = netbed.available() or ("" if netbed.shutil.which("iptables") else "iptables is not installed")
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"NAT tests must run in CI: {why}")
+        pytest.skip(why)
+
+
+class Demo:
+    """``diloco-peer demo --peers 2 --rounds 50``: it is mid-training long enough for any stop to hit it there."""
+
+    def __init__(self, workdir: Path, *extra: str):
+        self.out, self.log = workdir / "demo", workdir / "demo.log"
+        cmd = diloco_cmd("demo", "--peers", "2", "--rounds", "50", "--out", str(self.out), *extra)
+        for item in [*FAST, f"run.shutdown_grace={GRACE}"]:
+            cmd += ["--set", item]
+        with self.log.open("w") as log:  # its own session: what we send reaches the demo's pid and nothing else
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.tree: list[psutil.Process] = []
+
+    def record_tree_mid_training(self, timeout: float = 240) -> list[psutil.Process]:
+        """Once both peers finished a round: the demo and every process under it."""
+        def trained() -> bool:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            return all(any(e["event"] == "round" for e in read_events(self.out / f"peer-{i}.jsonl")) for i in (0, 1))
+
+        wait_until(trained, "round finished by both peers", timeout=timeout)
+        top = psutil.Process(self.proc.pid)
+        self.tree = [top, *top.children(recursive=True)]
+        commands = [command(p) for p in self.tree]
+        # the tree the checks below are about: a bootstrap's and two peers' p2pd, and four reapers (the demo's,
+        # the bootstrap's, each peer's)
+        assert sum("p2pd" in c.partition(" ")[0] for c in commands) >= 3, commands
+        assert sum("diloco_peer.lifecycle.reaper" in c for c in commands) == 4, commands
+        return self.tree
+
+    def cleanup(self) -> None:
+        """Whatever the test's outcome, nothing of ours stays behind."""
+        for p in alive(self.tree):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_demo_stops_its_whole_swarm_then_exits_130(tmp_path):
+    demo = Demo(tmp_path)
+    try:
+        tree = demo.record_tree_mid_training()
+        os.kill(demo.proc.pid, signal.SIGTERM)
+        sent = time.monotonic()
+        code = demo.proc.wait(timeout=GRACE + STOP_MARGIN + 10)
+        took = time.monotonic() - sent
+        assert code == EXIT_INTERRUPTED, demo.log.read_text()[-3000:]
+        assert took < GRACE + STOP_MARGIN + 5, took
+        assert not alive(tree), describe(alive(tree))  # gone before the demo exited, not merely soon after
+        assert "demo: interrupted (SIGTERM), stopping the swarm" in demo.log.read_text()
+    finally:
+        demo.cleanup()
+
+
+@pytest.mark.slow
+def test_a_sigkilled_demo_takes_its_whole_swarm_along(tmp_path):
+    demo = Demo(tmp_path)
+    try:
+        tree = demo.record_tree_mid_training()
+        demo.proc.kill()
+        demo.proc.wait()
+        wait_until(lambda: not alive(tree), "end of every process of the SIGKILLed demo's tree",
+                   timeout=GONE_AFTER_SIGKILL)
+    finally:
+        demo.cleanup()
+
+
+@pytest.mark.slow
+def test_a_sigkilled_nat_demo_leaves_no_process_and_no_namespace(tmp_path):
+    need_namespaces()
+    demo = Demo(tmp_path, "--nat", *[a for item in RELAYED for a in ("--set", item)])
+    tag = f"dnat{demo.proc.pid % 100000}-"  # netbed.EmulatedInternet's names for the demo's internet
+    try:
+        tree = demo.record_tree_mid_training()
+        assert len(namespaces(tag)) == 5, namespaces(tag)  # public, and a router and a home per peer
+        demo.proc.kill()
+        demo.proc.wait()
+        wait_until(lambda: not alive(tree) and not namespaces(tag), "end of the SIGKILLed demo's processes and "
+                   "namespaces", timeout=GONE_AFTER_SIGKILL)
+    finally:
+        demo.cleanup()
+        for name in namespaces(tag):
+            remove_namespace(name)
+
+
+def test_the_reaper_kills_what_it_watches_and_deletes_namespaces_when_its_parent_dies(tmp_path):
+    """The parent's end of the pipe closes when it dies: that alone must not make the reaper leave its job."""
+    ns = "" if netbed.available() else f"dlp-reap-{os.getpid() % 100000}"  # namespaces only where they can be made
+    parent_code = (
+        "import subprocess, sys, time\n"
+        "from diloco_peer.lifecycle.reaper import Reaper\n"
+        "reaper = Reaper()\n"
+        "child = subprocess.Popen(['sleep', '600'])\n"
+        "reaper.watch([child.pid])\n"
+        f"if {ns!r}:\n"
+        f"    subprocess.run(['ip', 'netns', 'add', {ns!r}], check=True)\n"
+        f"    reaper.watch_namespaces([{ns!r}])\n"
+        "print(reaper.proc.pid, child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    reaper_pid, child_pid = map(int, parent.stdout.readline().split())
+    tree = [psutil.Process(reaper_pid), psutil.Process(child_pid)]
+    try:
+        assert not ns or namespaces(ns) == [ns]
+        parent.kill()
+        parent.wait()
+        wait_until(lambda: not alive(tree) and not (ns and namespaces(ns)), "the reaper's work", timeout=5)
+    finally:
+        for p in alive(tree):
+            p.kill()
+        if ns:
+            remove_namespace(ns)
+
 
 # --- the lifecycle matrix: {bootstrap, peer} x {SIGINT, SIGTERM, SIGKILL} x the phase the signal meets
 #
@@ -23,7 +193,7 @@ pytestmark = pytest.mark.slow
 # test, so that the whole matrix costs a few swarm start-ups. SIGINT and SIGTERM: a clean leave, exit 0 (a
 # second signal: 130 at once); SIGKILL: the process dies at once and its reaper takes its children along.
 
-GRACE = 20.0  # run.shutdown_grace in these cases: every clean leave must end well within it
+PEER_GRACE = 20.0  # run.shutdown_grace of the matrix's peers: every clean leave must end well within it
 KILLED = -signal.SIGKILL
 
 
@@ -43,7 +213,7 @@ def tree(proc: subprocess.Popen) -> dict[int, float]:
     return found
 
 
-def alive(processes: dict[int, float]) -> list[str]:
+def still_running(processes: dict[int, float]) -> list[str]:
     """The processes of ``processes`` that still run (same pid *and* start time: never a recycled pid)."""
     left = []
     for pid, started in processes.items():
@@ -77,9 +247,10 @@ class Case:
         assert code == expected_code, f"{self.name}: {self.sig.name} gave exit code {code}, not {expected_code}"
         assert took < self.bound, f"{self.name}: {self.sig.name} took {took:.1f}s to exit (bound {self.bound:g}s)"
         deadline = time.monotonic() + 15
-        while alive(self.processes) and time.monotonic() < deadline:
+        while still_running(self.processes) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not alive(self.processes), f"{self.name}: left behind after {self.sig.name}: {alive(self.processes)}"
+        left = still_running(self.processes)
+        assert not left, f"{self.name}: left behind after {self.sig.name}: {left}"
         return took
 
 
@@ -92,15 +263,17 @@ def _checkpoint_loads(workdir: Path, name: str, epoch: int) -> None:
     load_file(path, load_config(None, [*FAST, f"run.run_id=life-{name}"]).fingerprint())
 
 
+@pytest.mark.slow
 def test_stop_while_joining_a_bootstrap_nobody_answers_and_bootstrap_nodes(local_swarm):
     """Joining (every bootstrap unreachable, retrying) and bootstrap nodes: each signal, side by side."""
     nobody = "/ip4/127.0.0.1/tcp/9/p2p/QmPeMbo7XxwUThbbyhqGcsnaU5xpsvSDszHuGqvDCd8P4E"  # discard port: refused
     cases = []
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
-        peer = local_swarm.start_peer(f"joining-{sig.name}", "swarm.join_timeout=120", f"run.shutdown_grace={GRACE}",
-                                      bootstraps=[nobody])
+        peer = local_swarm.start_peer(f"joining-{sig.name}", "swarm.join_timeout=120",
+                                      f"run.shutdown_grace={PEER_GRACE}", bootstraps=[nobody])
         boot = local_swarm.spawn(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0"], f"boot-{sig.name}.log")
-        cases += [Case(f"joining peer ({sig.name})", peer, sig, bound=10), Case(f"bootstrap ({sig.name})", boot, sig, 10)]
+        cases += [Case(f"joining peer ({sig.name})", peer, sig, bound=10),
+                  Case(f"bootstrap ({sig.name})", boot, sig, bound=10)]
     for case in cases[1::2]:
         wait_for_line(local_swarm.workdir / f"boot-{case.sig.name}.log", "diloco-peer join ", case.proc)
     for case in cases[0::2]:
@@ -112,6 +285,7 @@ def test_stop_while_joining_a_bootstrap_nobody_answers_and_bootstrap_nodes(local
         case.check(KILLED if case.sig == signal.SIGKILL else 0)
 
 
+@pytest.mark.slow
 def test_stop_while_training_leaves_a_checkpoint_and_nothing_behind(local_swarm):
     """Peers in their inner steps (each alone in a run of its own), one per signal. (A second signal: see the
     unresponsive-DHT case below, where leaving lasts long enough to send one.)"""
@@ -119,11 +293,11 @@ def test_stop_while_training_leaves_a_checkpoint_and_nothing_behind(local_swarm)
     sigs = {f"train-{sig.name}": sig for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)}
     procs = {name: local_swarm.start_peer(
         name, f"run.run_id=life-{name}", "averaging.min_peers=1", "outer.inner_steps=400", "data.shard=0",
-        f"run.shutdown_grace={GRACE}", f"checkpoint.dir={json.dumps(str(local_swarm.workdir / 'checkpoints'))}",
+        f"run.shutdown_grace={PEER_GRACE}", f"checkpoint.dir={json.dumps(str(local_swarm.workdir / 'checkpoints'))}",
         "checkpoint.every_rounds=1") for name in sigs}
     for name in sigs:  # inner steps of round 1 under way
         wait_until(lambda: any(e["event"] == "progress" for e in local_swarm.events(name)), f"{name} training", 120)
-    cases = {name: Case(name, proc, sigs[name], bound=GRACE) for name, proc in procs.items()}
+    cases = {name: Case(name, proc, sigs[name], bound=PEER_GRACE) for name, proc in procs.items()}
     for case in cases.values():
         case.signal()
     for name, case in cases.items():
@@ -134,13 +308,14 @@ def test_stop_while_training_leaves_a_checkpoint_and_nothing_behind(local_swarm)
         _checkpoint_loads(local_swarm.workdir, name, 0)
 
 
+@pytest.mark.slow
 def test_stop_in_an_all_reduce_and_in_a_state_sync(local_swarm):
     """Three pairs of peers (a run each): one peer of each pair is signalled while its round's exchange is in
     flight (after its ``averaging`` event: matchmaking or all-reduce); then a newcomer joins each run and is
     signalled in the middle of its state download (the remaining partner serves slowly: fault ``slow_serve``).
     The partners train on throughout."""
     local_swarm.start_bootstrap()
-    common = [f"run.shutdown_grace={GRACE}", "outer.inner_steps=20", "averaging.matchmaking_time=3.0"]
+    common = [f"run.shutdown_grace={PEER_GRACE}", "outer.inner_steps=20", "averaging.matchmaking_time=3.0"]
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
     victims, partners = {}, {}
     for sig in sigs:
@@ -151,7 +326,7 @@ def test_stop_in_an_all_reduce_and_in_a_state_sync(local_swarm):
     for sig in sigs:
         name = f"ar-{sig.name}"
         wait_until(lambda: any(e["event"] == "averaging" for e in local_swarm.events(name)), f"{name} averaging", 150)
-        cases.append(Case(f"{name} in an all-reduce", victims[sig], sig, bound=GRACE))
+        cases.append(Case(f"{name} in an all-reduce", victims[sig], sig, bound=PEER_GRACE))
         cases[-1].signal()
     for case in cases:
         case.check(KILLED if case.sig == signal.SIGKILL else 0)
@@ -162,7 +337,7 @@ def test_stop_in_an_all_reduce_and_in_a_state_sync(local_swarm):
     for sig, proc in newcomers.items():
         log = local_swarm.workdir / f"sync-{sig.name}.log"
         wait_until(lambda: log.exists() and "state sync: " in log.read_text(), f"sync-{sig.name} downloading", 120)
-        cases.append(Case(f"sync-{sig.name} in a state sync", proc, sig, bound=GRACE))
+        cases.append(Case(f"sync-{sig.name} in a state sync", proc, sig, bound=PEER_GRACE))
         cases[-1].signal()
     for case in cases:
         took = case.check(KILLED if case.sig == signal.SIGKILL else 0)
@@ -178,6 +353,7 @@ def dht_process(proc: subprocess.Popen) -> psutil.Process:
     return min(forked, key=lambda c: c.create_time())
 
 
+@pytest.mark.slow
 def test_leaving_with_an_unresponsive_dht_ends_within_its_bound(local_swarm):
     """The DHT process stops answering (SIGSTOP) under a training peer; then the peer is asked to leave. Its
     withdraw and the DHT's shutdown cannot finish: the leave abandons them (exit 0, within run.shutdown_grace),
@@ -200,7 +376,7 @@ def test_leaving_with_an_unresponsive_dht_ends_within_its_bound(local_swarm):
     time.sleep(2)  # well into the withdraw, which waits on the stopped DHT
     cases["hung-twice"].proc.send_signal(signal.SIGINT)
     for name, case in cases.items():
-        took = case.check({"hung-SIGKILL": KILLED, "hung-twice": 130}.get(name, 0))
+        case.check({"hung-SIGKILL": KILLED, "hung-twice": 130}.get(name, 0))
         if name == "hung-SIGTERM":
             log = (local_swarm.workdir / f"{name}.log").read_text()
             assert "could not withdraw our progress record" in log, log[-2000:]

@@ -1,0 +1,220 @@
+"""The reaper: when a process dies hard (SIGKILL, OOM killer), the processes it started die with it.
+
+hivemind runs the DHT and the averager in child processes and the libp2p daemon (p2pd) as a grandchild.
+A graceful exit stops them all, but a process killed with SIGKILL runs no code at all, and its children
+live on as orphans: a p2pd that still holds the port, an averager that still answers matchmaking. (This
+is how OpenDiLoCo runs leave orphaned p2pd processes behind.) The same holds one level up: ``demo``
+starts a bootstrap node and peers, and with ``--nat`` network namespaces that outlive every process.
+
+So a peer, a bootstrap node and the demo each start this tiny watcher as a separate process and tell it,
+through a pipe, what to take down if they die. Its protocol is one line per item:
+
+    PID START_TIME    a process to SIGKILL (its start time, field 22 of /proc/PID/stat: a recycled pid
+                      is never hit)
+    netns NAME        a network namespace to delete (``ip netns del``), after killing what still runs in it
+    done              we stopped everything ourselves: exit without touching anything
+
+The watcher checks twice a second whether its parent (whose pid it gets on its command line: the parent may
+die before the watcher has started) is still there; a dead parent's children are re-parented, so
+``getppid()`` changes. The pipe alone is no signal: hivemind's forked children inherit its write end, and the
+end of the pipe without "done" means only that the parent is going. When the parent is gone, the watcher reads
+what is left in the pipe, kills the processes it was told about that still run, deletes the namespaces and
+exits.
+It lives in its own session, so a Ctrl+C or a kill of its parent's process group does not take it down
+before its job is done.
+
+For a parent that is still alive: ``exit_with_children`` (exit at once, children killed), ``stop_in_order``
+(pass a stop signal on and wait, within a deadline, until every process under the children is gone too),
+``kill_trees`` and ``remove_namespace``. This module imports nothing of the package: anything may use it.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+
+def _start_time(pid: int) -> str | None:
+    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/pid/stat), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+class Reaper:
+    """Handle held by the watched process: ``watch(pids)`` after starting children, ``watch_namespaces(names)``
+    before making network namespaces, ``close()`` once it has stopped them itself."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "diloco_peer.lifecycle.reaper", str(os.getpid())], stdin=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )
+
+    def watch(self, pids: list[int]) -> None:
+        """Processes to SIGKILL if we die (those that have exited already are skipped)."""
+        for pid in pids:
+            started = _start_time(pid)
+            if started is not None:
+                self.proc.stdin.write(f"{pid} {started}\n")
+        self.proc.stdin.flush()
+
+    def watch_namespaces(self, names: list[str]) -> None:
+        """Network namespaces to delete if we die; named before they are made, so that none is missed (a name
+        that was never made costs nothing)."""
+        for name in names:
+            self.proc.stdin.write(f"netns {name}\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        """What we watched is stopped: the watcher can go."""
+        try:
+            self.proc.stdin.write("done\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+
+
+def exit_with_children(code: int) -> None:
+    """Exit at once, but take our children (DHT and averager processes, p2pd) along: never leave orphans."""
+    import psutil  # here, not at the top: the watcher process itself starts with as few imports as it can
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    os._exit(code)
+
+
+def _running(procs) -> list:
+    """Those of ``procs`` (psutil processes) that still run; a zombie has finished."""
+    import psutil
+
+    def runs(p) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    return [p for p in procs if runs(p)]
+
+
+def _trees(procs: list[subprocess.Popen]) -> list:
+    """Those of ``procs`` that still run and every process under each, as psutil processes, the parents first."""
+    import psutil
+
+    found = []
+    for proc in procs:
+        try:
+            top = psutil.Process(proc.pid)
+            found += [top, *top.children(recursive=True)] if proc.poll() is None else []
+        except psutil.Error:
+            continue
+    return found
+
+
+def kill_trees(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL those of ``procs`` that still run and every process under each (DHT, averager, p2pd, reaper).
+    It does not wait for them: a signal handler may call it while the main thread waits for one of them."""
+    import psutil
+
+    for p in _trees(procs):  # the parents first: once gone, they start no new children
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def stop_in_order(groups: list[list[subprocess.Popen]], signum: int, deadline: float) -> None:
+    """Stop ``groups`` of our child processes one after the other: send ``signum`` to those of a group that still
+    run, wait until they have exited, then go on to the next group; then wait until every process under them
+    (DHT, averager, p2pd, reaper: recorded first, as they can outlive their parent by a moment) is gone too.
+    At ``deadline`` (monotonic seconds) SIGKILL what is left. Returns once all of them are gone."""
+    import psutil
+
+    procs = [proc for group in groups for proc in group]
+    tree = _trees(procs)
+    for group in groups:
+        for proc in group:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+        for proc in group:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    while _running(tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in _running(tree):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    for proc in procs:
+        proc.wait()
+    psutil.wait_procs(_running(tree), timeout=5)  # SIGKILLed: gone within moments (or a zombie, reaped by init)
+
+
+def remove_namespace(name: str) -> None:
+    """SIGKILL whatever still runs inside network namespace ``name``, then delete it (its veths go with it);
+    a namespace that does not exist is left as it is."""
+    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _watch(parent: int, fd: int) -> tuple[dict[int, str], list[str]] | None:
+    """Read the protocol while ``parent`` lives, and what is left of it once it is gone; then what to take
+    down, or None after "done"."""
+    watched, namespaces, pending, reading = {}, [], b"", True
+    while True:
+        alive = os.getppid() == parent
+        if reading and select.select([fd], [], [], 0.5 if alive else 0)[0]:
+            chunk = os.read(fd, 4096)
+            *lines, pending = (pending + chunk).split(b"\n")
+            if b"done" in lines:
+                return None
+            reading = bool(chunk)  # the end of the pipe without "done": our parent is exiting, watch on
+            for kind, value in (line.split() for line in lines if line.strip()):
+                if kind == b"netns":
+                    namespaces.append(value.decode())
+                else:
+                    watched[int(kind)] = value.decode()
+        elif not alive:
+            return watched, namespaces
+        elif not reading:
+            time.sleep(0.5)
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only our parent's end ends us
+    found = _watch(int(sys.argv[1]), sys.stdin.fileno())
+    if found is None:
+        return  # our parent stopped everything itself
+    watched, namespaces = found
+    for pid, started in watched.items():
+        if _start_time(pid) == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for name in reversed(namespaces):
+        remove_namespace(name)
+
+
+if __name__ == "__main__":
+    main()
