@@ -108,20 +108,28 @@ class Demo:
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_demo_stops_its_whole_swarm_then_exits_130(tmp_path):
-    demo = Demo(tmp_path)
+@pytest.mark.parametrize("sig, nat", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)],
+                         ids=["SIGTERM", "SIGINT", "SIGTERM-nat"])
+def test_a_signal_to_the_demo_stops_its_whole_swarm_then_exits_130(tmp_path, sig, nat):
+    if nat:
+        need_namespaces()
+    demo = Demo(tmp_path, *(["--nat", *[a for item in RELAYED for a in ("--set", item)]] if nat else []))
+    tag = f"dnat{demo.proc.pid % 100000}-"  # netbed.EmulatedInternet's names for the demo's internet
     try:
         tree = demo.record_tree_mid_training()
-        os.kill(demo.proc.pid, signal.SIGTERM)
+        os.kill(demo.proc.pid, sig)
         sent = time.monotonic()
         code = demo.proc.wait(timeout=GRACE + STOP_MARGIN + 10)
         took = time.monotonic() - sent
         assert code == EXIT_INTERRUPTED, demo.log.read_text()[-3000:]
         assert took < GRACE + STOP_MARGIN + 5, took
         assert not alive(tree), describe(alive(tree))  # gone before the demo exited, not merely soon after
-        assert "demo: interrupted (SIGTERM), stopping the swarm" in demo.log.read_text()
+        assert not namespaces(tag), namespaces(tag)
+        assert f"demo: interrupted ({sig.name}), stopping the swarm" in demo.log.read_text()
     finally:
         demo.cleanup()
+        for name in namespaces(tag):
+            remove_namespace(name)
 
 
 @pytest.mark.slow
