@@ -142,7 +142,7 @@ def test_a_record_expiring_too_far_ahead_is_rejected(two_dhts, attacker):
 
 def test_the_expiration_cap_passes_hiveminds_own_records():
     """Matchmaking declares a group until the end of its matchmaking window, state sharing for a few heartbeats
-    (``averaging_round.py``: ``max(3 * heartbeat, 5)``): both far below the cap; a merged cap keeps the stricter."""
+    (``averaging/averager.py``: ``max(3 * heartbeat, 5)``): both far below the cap; a merged cap keeps the stricter."""
     from hivemind.dht.validation import DHTRecord
 
     cap = ExpirationCap()

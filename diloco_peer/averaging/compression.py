@@ -19,7 +19,7 @@ to zero, which a single per-tensor scale would do. :class:`ErrorFeedback` carrie
 dropped into the next round, so that nothing is lost for good, only delayed.
 
 The swarm's all-reduce sends exactly these encodings: :class:`WireCompression` plugs a codec into
-hivemind's compression framework (``averaging_round.py`` uses it), and ``diloco-peer simulate`` uses the
+hivemind's compression framework (``averager.py`` uses it), and ``diloco-peer simulate`` uses the
 same codecs to study them. hivemind's own protobuf enum has no bf16, per-block int8 or int4 (its
 blockwise 8-bit needs bitsandbytes), so our encodings travel under compression codes of their own
 (``WIRE_CODES``, outside hivemind's range); ``deserialize`` reads both kinds.

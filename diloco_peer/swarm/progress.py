@@ -268,7 +268,7 @@ class SwarmProgress:
         or after ``min_peers_timeout`` seconds without (a), with whoever is there. Returns early (with
         reason "stopping") as soon as ``should_stop()`` is true, so that a leaving peer never waits here.
 
-        ``delayed`` (overlapped rounds, see ``overlapped_round.py``): the peers to wait for are those whose
+        ``delayed`` (overlapped rounds, see ``outer_round.py``): the peers to wait for are those whose
         record says they train the round of our epoch (``round``); a peer that sent it is at our epoch and
         ready (and already trains the next round).
 
