@@ -23,8 +23,9 @@ def _pseudo_gradients(seed: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=gen) * 10.0 ** torch.randint(-4, 3, shape, generator=gen) for shape in SHAPES]
 
 
-async def _average_all(averagers, inputs, weights, epoch=0):
-    return await asyncio.gather(*(a.average(x, weight=w, epoch=epoch) for a, x, w in zip(averagers, inputs, weights)))
+async def _average_all(averagers, inputs, weights, epoch=0, expected=None):
+    return await asyncio.gather(*(a.average(x, weight=w, epoch=epoch, expected=expected)
+                                  for a, x, w in zip(averagers, inputs, weights)))
 
 
 def _block_absmax(x: torch.Tensor) -> torch.Tensor:
@@ -95,3 +96,27 @@ def test_alone_returns_failure_without_raising(dhts):
     assert not result.ok
     assert result.averaged is None and result.error
     assert result.seconds < CFG.matchmaking_time * 3 + 10
+
+
+def test_a_complete_group_starts_at_once_and_the_window_waits_for_missing_peers(dhts):
+    # the round gate counted 3 peers ready: when all 3 are in, the all-reduce starts then, not at the end of the
+    # 5 s matchmaking window; when one of them never comes, the 2 others average at the end of the window
+    cfg = CFG.model_copy(update={"matchmaking_time": 5.0})
+    averagers = [RoundAverager(dht, SHAPES, "test-run", cfg) for dht in dhts(3)]
+    try:
+        inputs = [_pseudo_gradients(seed) for seed in range(3)]
+        complete = asyncio.run(_average_all(averagers, inputs, [1, 1, 1], epoch=0, expected=3))
+        partial = asyncio.run(_average_all(averagers[:2], inputs[:2], [1, 1], epoch=1, expected=3))
+    finally:
+        for a in averagers:
+            a.shutdown()
+
+    assert all(r.ok and r.group_size == 3 for r in complete), [r.error for r in complete]
+    assert max(r.seconds for r in complete) < 2.0, [r.seconds for r in complete]
+    assert all(r.ok and r.group_size == 2 for r in partial), [r.error for r in partial]
+    assert all(cfg.matchmaking_time - 1.0 < r.seconds < cfg.matchmaking_time + 3.0 for r in partial), \
+        [r.seconds for r in partial]
+    for results, members in ((complete, inputs), (partial, inputs[:2])):
+        for i in range(len(SHAPES)):
+            mean = sum(x[i].double() for x in members) / len(members)
+            torch.testing.assert_close(results[0].averaged[i].double(), mean, rtol=1e-5, atol=1e-6)

@@ -136,9 +136,13 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def _communicate_with_peer(self, peer_id):
         peer_index = self.ordered_peer_ids.index(peer_id)
         if peer_id == self.peer_id:
-            # our own shard: we are its reducer; keep exactly the bytes the other members receive
+            # our own shard: we are its reducer; keep exactly the bytes the other members receive. Our own part
+            # gets the codec's rounding like every part that crossed the wire: a lossy average then does not
+            # depend on who reduced which part (and ``diloco-peer simulate`` computes it exactly)
             sender_index = self.sender_peer_ids.index(peer_id)
             for part_index, part in enumerate(self.parts_for_local_averaging):
+                if not self._lossless:
+                    part = deserialize(self._encode(part))
                 averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
                                                                           weight=self.weight)
                 if not self._lossless:

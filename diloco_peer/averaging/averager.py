@@ -26,8 +26,8 @@ from ..config.faults import NO_FAULTS, Faults
 from ..lifecycle import hivemind_calls
 from ..swarm.admission import Admission
 from .allreduce import FAILED_VALUES, RECEIVED, RELAYED, SENT, TRANSFER_US
-from .hivemind_internals import keeping_our_sigint
 from .compression import ErrorFeedback, WireCompression, get_codec
+from .hivemind_internals import keeping_our_sigint
 from .pseudo_gradient_averager import PseudoGradientAverager
 from .robust_aggregation import BanList, Limits
 
@@ -105,6 +105,7 @@ class RoundAverager:
                 reducer_timeout=cfg.allreduce_timeout * 0.75,
                 next_chunk_timeout=cfg.allreduce_timeout / 4,
                 compression=wire_compression(cfg.compression),
+                part_size_bytes=cfg.part_size_bytes,
                 bandwidth=cfg.bandwidth or None,
                 shutdown_timeout=5,
                 declare_state_period=max(cfg.heartbeat * 3, 5.0),
@@ -116,8 +117,16 @@ class RoundAverager:
                 faults=faults,
             )
 
-    async def average(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int) -> RoundResult:
-        """All-reduce ``pseudo_gradient`` (weighted by ``weight``, the tokens behind it) with a group."""
+    async def average(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int,
+                      expected: int | None = None) -> RoundResult:
+        """All-reduce ``pseudo_gradient`` (weighted by ``weight``, the tokens behind it) with a group.
+
+        :param epoch: our outer epoch: only peers averaging the same epoch share a group
+        :param expected: how many peers (us included) the round gate counted ready: once that many are in the
+          group, its all-reduce starts at once; ``averaging.matchmaking_time`` only bounds the wait for ready
+          peers that never show up. None (or fewer than 2): the group gathers for the whole window. A peer the
+          gate did not count (it got ready later) may find the group full and be left out of it this round.
+        """
         started = time.perf_counter()
         before = self.averager.traffic.clone()
         if self.feedback is not None:  # send codec(x + residual); keep what the codec drops for next round
@@ -130,6 +139,9 @@ class RoundAverager:
         # one matchmaking key per outer epoch: a late peer still averaging epoch e never lands in the group
         # of epoch e+1, where its pseudo-gradient (relative to older weights) would poison everyone's step
         await hivemind_calls.call(self.averager.set_group_bits, format(epoch, "b"),
+                                  timeout=self.cfg.request_timeout * 10)
+        # hivemind's leader otherwise gathers followers until the end of the window even when all are in
+        await hivemind_calls.call(self.averager.expect_group, expected if expected and expected >= 2 else None,
                                   timeout=self.cfg.request_timeout * 10)
         control = self.averager.step(
             weight=float(weight),
@@ -178,6 +190,12 @@ class RoundAverager:
             except queue.Empty:
                 return found
             found.append({"offender": peer, "kind": kind, "detail": detail, "banned": banned})
+
+    def round_failed(self) -> None:
+        """Our pseudo-gradient of the last ``average`` was not applied by anyone: the error-feedback residual
+        goes back to what it was before that round (``ErrorFeedback.undo``), so that nothing it held is lost."""
+        if self.feedback is not None:
+            self.feedback.undo()
 
     def reset_feedback(self) -> None:
         """Forget the error-feedback residual (after a state sync replaced the weights it belonged to)."""

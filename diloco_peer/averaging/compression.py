@@ -125,10 +125,12 @@ class ErrorFeedback:
 
     def __init__(self, codec: Codec):
         self.codec, self.residuals = codec, None
+        self._before: list[torch.Tensor] | None = None
 
     def roundtrip(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
         if self.residuals is None:
             self.residuals = [torch.zeros_like(t, dtype=torch.float32) for t in tensors]
+        self._before = list(self.residuals)  # the tensors are replaced below, never changed in place
         out, total = [], 0
         for i, t in enumerate(tensors):
             corrected = t.to(torch.float32) + self.residuals[i]
@@ -137,6 +139,13 @@ class ErrorFeedback:
             out.append(sent)
             total += size
         return out, total
+
+    def undo(self) -> None:
+        """The last ``roundtrip`` did not reach anyone (its round failed): keep the residual from before it.
+        What the codec dropped in earlier rounds was never applied anywhere and goes out with the next round;
+        the failed round's own pseudo-gradient is applied uncompressed (a solo step) or replaced (a state sync)."""
+        if self._before is not None:
+            self.residuals, self._before = self._before, None
 
 
 WIRE_CODES = {"bf16": 65, "int8": 66, "int4": 67}

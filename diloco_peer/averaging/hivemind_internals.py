@@ -27,10 +27,11 @@ from hivemind.p2p import P2P, PeerID
 from ..swarm.p2pd_internals import HIVEMIND_VERSION, PrivateUse
 
 __all__ = ["HIVEMIND_VERSION", "INVENTORY", "ban_sender", "keeping_our_sigint", "mark_state_updated", "own_input_parts",
-           "p2p_of", "patch_join_requests", "running_group", "send_to_averager_process"]
+           "p2p_of", "patch_join_requests", "running_group", "send_to_averager_process", "set_target_group_size"]
 
 AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
 MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
+KEY_MANAGER = "hivemind.averaging.key_manager.GroupKeyManager"
 RUNNER = "hivemind.averaging.allreduce.AllReduceRunner"
 CONTAINER = "hivemind.averaging.partition.TensorPartContainer"
 REDUCER = "hivemind.averaging.partition.TensorPartReducer"
@@ -63,6 +64,17 @@ INVENTORY = (
                ("await_ready", "timeout"), "028dd8b1e9b723d83bf30d357049eea84d9c26b94d318282bd34835dadf39fb7"),
     PrivateUse(MATCHMAKING, "_request_join_group", "patch", "patch_join_requests (per averager instance)",
                ("leader",)),
+    # a group that is complete starts at once (set_target_group_size)
+    *_reads(MATCHMAKING, "set_target_group_size (written, per round)", "target_group_size"),
+    PrivateUse(MATCHMAKING, "rpc_join_group", "relies",
+               "set_target_group_size: a leader assembles its group when target_group_size members are in",
+               ("request", "context"), "0d6120e412849439dbc8dd78ef7d87543ef956e251fa1590888af06dfc12864a"),
+    PrivateUse(MATCHMAKING, "_check_reasons_to_reject", "relies",
+               "set_target_group_size: a full group turns further peers away (GROUP_IS_FULL)",
+               ("request", "context"), "c694e8194862154f80c71315a9a91813d01c907668a4fba8d1f29c88fe7618d3"),
+    PrivateUse(KEY_MANAGER, "update_key_on_group_assembled", "relies",
+               "set_target_group_size: the group bits follow the key manager's own target_group_size, left alone",
+               ("group_info",), "aa20396d475cbcdadadc14b3ed26f0788438a0320821549ac83e80a5c82afbbd"),
     # the all-reduce of one group
     PrivateUse(RUNNER, "_generate_input_for_peer", "override", "allreduce.ExactAllReduceRunner: poison:shape",
                ("peer_index",)),
@@ -131,6 +143,18 @@ def keeping_our_sigint():
     finally:
         if ours is not None:  # None: a handler not installed from Python, which we cannot put back
             signal.signal(signal.SIGINT, ours)
+
+
+def set_target_group_size(averager: DecentralizedAverager, size: int | None) -> None:
+    """Make the groups this averager leads start their all-reduce as soon as they have ``size`` members (us
+    included), instead of gathering followers until the step's scheduled time; ``None``: gather until then.
+
+    hivemind's ``Matchmaking`` (``_matchmaking``) takes ``target_group_size`` once, when the averager process
+    creates it; ``rpc_join_group`` reads it at every follower it accepts (assembles the group when it is reached)
+    and ``_check_reasons_to_reject`` turns further peers away with ``GROUP_IS_FULL``. Only the matchmaking's copy
+    is set: the ``GroupKeyManager`` keeps its own (None), from which it derives the group bits after a group.
+    """
+    averager._matchmaking.target_group_size = size
 
 
 def patch_join_requests(averager: DecentralizedAverager, refuses: Callable[[PeerID], bool]) -> None:

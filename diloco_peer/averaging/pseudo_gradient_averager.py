@@ -8,6 +8,8 @@ It lives in its own process (hivemind forks it) and adds to hivemind's matchmaki
 - **who takes part**: a group member or a state download must pass admission (``swarm/admission.py``: swarm
   secret, allowlist) and must not be banned (``robust_aggregation.BanList``: peers whose contributions were
   refused repeatedly); matchmaking skips leaders we refuse. Offenses cross to the host process through a queue;
+- **complete groups start at once**: told how many peers the round expects (``expect_group``), a group we lead
+  begins its all-reduce as soon as they are all in, not at the end of the matchmaking window;
 - **state serving**: it serves this peer's state and downloads the state of one chosen donor (``state_sync.py``).
 
 hivemind's private API is reached through ``hivemind_internals.py``; the private methods overridden here are
@@ -104,6 +106,29 @@ class PseudoGradientAverager(DecentralizedAverager):
         # us into its group and we would then refuse to average (the round lost). Ask the next leader instead.
         internals.patch_join_requests(self, self._refuses_leader)
         return await super()._step(**kwargs)
+
+    def expect_group(self, size: int | None) -> None:
+        """From the host process, before a step: a group we lead starts its all-reduce once ``size`` members (us
+        included) are in, not at the step's scheduled time; ``None`` gathers until then (hivemind's way).
+
+        The scheduled time stays the upper bound: a group still short of ``size`` then starts with whoever came
+        (``min_group_size`` at least). A group that reached ``size`` turns later peers away (hivemind's
+        ``GROUP_IS_FULL``); they look for another group within their step's timeout. Blocks until the averager
+        process took it (call it through ``lifecycle.hivemind_calls``, as every wait on that process).
+        """
+        if size is not None and size < 2:
+            raise ValueError(f"a group needs at least 2 members, got expected size {size}")
+        future = MPFuture()
+        internals.send_to_averager_process(self, "_expect_group", size, future=future)
+        future.result()
+
+    async def _expect_group(self, size: int | None, future: MPFuture) -> None:
+        try:
+            internals.set_target_group_size(self, size)
+            future.set_result(None)
+        except BaseException as e:
+            if not future.done():
+                future.set_exception(e)
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
                              context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:

@@ -196,6 +196,10 @@ class SwarmProgress:
     """
 
     POLL_SECONDS = 0.5
+    FAST_POLL_SECONDS, FAST_POLL_WINDOW = 0.1, 5.0
+    """The round gate polls every 0.1 s for its first 5 s: ready peers usually arrive within a second of each
+    other, and each poll of 0.5 s cost the last one up to 0.5 s in matchmaking, every round. Longer waits (a
+    straggler) poll at ``POLL_SECONDS``, to keep the DHT load of a large swarm down."""
 
     def __init__(self, dht: DHT, run_id: str, peer_id: str, heartbeat: float, *, faults: Faults = NO_FAULTS):
         self.dht, self.run_id, self.heartbeat, self.faults = dht, run_id, heartbeat, faults
@@ -227,17 +231,20 @@ class SwarmProgress:
         records = await fetch_progress(self.dht, self.run_id)
         return [r for r in records if r.peer_id != self.record.peer_id] + [self.record]
 
-    async def wait_for_round_end(self, epoch: int, timeout: float, should_stop=lambda: False) -> list[ProgressRecord]:
+    async def wait_for_round_end(self, epoch: int, timeout: float, should_stop=lambda: False,
+                                 ready_only: bool = False) -> list[ProgressRecord]:
         """Records, once the others (by quorum, ``quorum_epoch``) have stepped past ``epoch`` (at once if
         nobody else is at ``epoch``; at most ``timeout`` seconds). A peer whose round failed compares its
         weights with those the others *end* the round with, not with their records from before it. One
         peer claiming a later epoch does not end the wait; one that claims ``epoch`` forever stretches it
-        to ``timeout``, no longer."""
+        to ``timeout``, no longer. ``ready_only`` (overlapped rounds): peers at ``epoch`` that are not
+        ready are not waited for either: their round failed too, and they wait just like us."""
         deadline = time.monotonic() + timeout
         while True:
             records = await self.swarm_records()
             others = [r for r in records if r.peer_id != self.record.peer_id]
-            if (quorum_epoch(others, QUORUM) or 0) > epoch or not any(r.epoch == epoch for r in others) \
+            pending = [r for r in others if r.epoch == epoch and (r.ready or not ready_only)]
+            if (quorum_epoch(others, QUORUM) or 0) > epoch or not pending \
                     or time.monotonic() >= deadline or should_stop():
                 return records
             await asyncio.sleep(self.POLL_SECONDS)
@@ -311,4 +318,5 @@ class SwarmProgress:
             elif waited >= min_peers_timeout:
                 return ReadyDecision(ready, len(records), waited,
                                      f"only {len(records)} of min_peers={min_peers} after {waited:.0f}s", records)
-            await asyncio.sleep(self.POLL_SECONDS)
+            fast = time.monotonic() - started < self.FAST_POLL_WINDOW
+            await asyncio.sleep(self.FAST_POLL_SECONDS if fast else self.POLL_SECONDS)
