@@ -23,11 +23,11 @@ import psutil
 from hivemind.dht import DHT
 
 from .config import MetricsConfig, SwarmConfig
-from .observe.metrics import MetricsServer
-from .observe.monitor import SwarmMonitor, format_status, status_json, summarize
 from .lifecycle import hivemind_calls
 from .lifecycle.reaper import Reaper
 from .lifecycle.shutdown import Shutdown
+from .observe.metrics import MetricsServer
+from .observe.monitor import SwarmMonitor, format_status, status_json, summarize
 from .swarm.addresses import hold_identity, parse_multiaddr
 from .swarm.join import join_address, join_dht_peers, start_dht, visible_addresses
 from .swarm.progress import add_progress_validators, fetch_progress

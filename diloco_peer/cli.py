@@ -192,7 +192,7 @@ def _add_simulate(sub) -> None:
     sim.add_argument("--rounds", type=_COUNT, default=10, help="outer rounds of H inner steps (default 10)")
     sim.add_argument("--codec", default="none", choices=["none", "fp16", "bf16", "int8", "int4"],
                      help="pseudo-gradient codec on the (simulated) wire (default none)")
-    sim.add_argument("--overlap", default="blocking", choices=["blocking", "delayed"],
+    sim.add_argument("--overlap", default="blocking", choices=["blocking", "eager", "delayed"],
                      help="blocking, or delayed: average round t while round t+1 trains (default blocking)")
     sim.add_argument("--error-feedback", action="store_true",
                      help="carry the codec's rounding error into the next round")

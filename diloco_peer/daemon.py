@@ -30,12 +30,13 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from .averaging.averager import RoundAverager
 from .config import PeerConfig
 from .config.faults import Faults
-from .observe.events import EventLog
-from .observe.metrics import MetricsServer, PeerMetrics
-from .outer_round import OuterRounds, RoundRecord
 from .lifecycle import hivemind_calls
 from .lifecycle.reaper import Reaper
 from .lifecycle.shutdown import Shutdown
+from .observe.events import EventLog
+from .observe.metrics import MetricsServer, PeerMetrics
+from .outer_round import OuterRounds
+from .round_record import RoundRecord
 from .state.checkpoint import CheckpointManager, capture, restore
 from .state.state_sync import StateSync
 from .swarm.admission import load_admission
@@ -75,7 +76,7 @@ class PeerDaemon:
         self.metrics = PeerMetrics()
         """Fed by the event log; served on ``metrics.port`` when set."""
         self._saved_epoch = -1  # the epoch of the last periodic checkpoint
-        self.delayed = cfg.outer.overlap == "delayed"
+        self.overlapped = cfg.outer.overlap != "blocking"
         self.averager: RoundAverager | None = None
         self.progress: SwarmProgress | None = None
         self.rounds: OuterRounds | None = None
@@ -220,8 +221,8 @@ class PeerDaemon:
             # unless the periodic checkpoint of this very boundary is already written (or being written)
             if self._saved_epoch != self.outer.epoch:
                 state = capture(self.trainer, self.outer, cfg.fingerprint())
-                # resume at the start of the round that follows the saved epoch (delayed: one later)
-                state.inner_step = (self.outer.epoch + self.delayed) * cfg.outer.inner_steps
+                # resume at the start of the round that follows the saved epoch (overlapped: one later)
+                state.inner_step = (self.outer.epoch + self.overlapped) * cfg.outer.inner_steps
                 checkpoints.save(state, self._on_checkpoint)
         if checkpoints is not None:
             checkpoints.close()  # waits for the writes in flight

@@ -34,7 +34,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 import torch
 from tqdm import tqdm
@@ -43,70 +42,16 @@ from .averaging.averager import RoundAverager, RoundResult
 from .averaging.robust_aggregation import refuse_update
 from .config import PeerConfig
 from .observe.events import EventLog
+from .round_record import Exchange, InnerResult, RoundRecord
 from .state.state_sync import StateSync, swarm_target
 from .swarm.progress import ReadyDecision, SwarmProgress
-from .training.outer_optimizer import OuterOptimizer
+from .training.outer_optimizer import OuterOptimizer, overlap_offset
 from .training.trainer import ComputeThread, Trainer
 
 logger = logging.getLogger("diloco_peer")
 
 PROGRESS_EVENTS_PER_ROUND = 5
 PROGRESS_LOG_SECONDS = 30.0  # a human-readable progress line at most this often between round lines
-
-
-@dataclass
-class InnerResult:
-    """What a round's H inner steps did."""
-    tokens: int
-    compute_seconds: float
-    train_loss: float
-
-
-@dataclass
-class Exchange:
-    """A round's gate and all-reduce, as the conclusion sees them."""
-    decision: ReadyDecision
-    result: RoundResult
-    dropped: bool = False
-    """Stopped at the gate, or (blocking) the gate found us off the swarm's state and synced to it instead."""
-
-
-@dataclass
-class RoundRecord:
-    """One finished round: the ``round`` event of the event log (metrics and reports read it)."""
-    peer: str
-    round: int
-    epoch: int
-    outcome: str
-    """``averaged`` with a group, ``solo`` (nobody to average with) or ``failed`` (a group formed, then failed)."""
-    group_size: int
-    group_epochs: list[int]
-    ready_peers: int
-    alive_peers: int
-    wait_seconds: float
-    allreduce_seconds: float
-    transfer_seconds: float
-    bytes_sent: int
-    bytes_received: int
-    bytes_relayed: int
-    values_not_averaged: int
-    error: str
-    tokens: int
-    compute_seconds: float
-    train_loss: float
-    eval_loss: float
-    inner_lr: float
-    outer_lr: float
-    inner_step: int
-    param_sha256: str
-    round_seconds: float = 0.0
-    overlap_wait_seconds: float | None = None
-    """Delayed mode: how long the end of the round waited for the exchange launched a round earlier."""
-    first_contribution_seconds: float | None = None
-    """Set on the first round this peer averaged with others: seconds from process start."""
-
-    def fields(self) -> dict:
-        return {key: value for key, value in asdict(self).items() if value is not None}
 
 
 class OuterRounds:
@@ -131,9 +76,9 @@ class OuterRounds:
         self.cfg, self.name = cfg, name
         self.trainer, self.outer, self.averager, self.progress = trainer, outer, averager, progress
         self.sync, self.events, self._compute, self.should_stop, self.tty = sync, events, compute, should_stop, tty
-        self.delayed = cfg.outer.overlap == "delayed"
+        self.overlapped = cfg.outer.overlap != "blocking"
         self.pending: asyncio.Task | None = None
-        """Delayed mode: the exchange of the last round's progress, running while this round trains."""
+        """Overlapped modes: the exchange of the last round's progress, running while this round trains."""
         self.sent: list[torch.Tensor] = []
         """The pseudo-gradient ``pending`` averages (a solo step applies it if the all-reduce fails)."""
         self.last_sync_epoch = -1
@@ -158,11 +103,11 @@ class OuterRounds:
         """One round. None if stopped, if the round was replaced by a state sync, or (delayed) if there was
         no exchange to conclude yet (the first round after starting or syncing)."""
         H = self.cfg.outer.inner_steps
-        start = await self._compute.run(_cpu_copy, self.trainer.model) if self.delayed else None
-        inner = await self._inner_steps(self.trainer.step // H if self.delayed else self.outer.epoch)
+        start = await self._compute.run(_cpu_copy, self.trainer.model) if self.overlapped else None
+        inner = await self._inner_steps(self.trainer.step // H if self.overlapped else self.outer.epoch)
         if self.should_stop():
             return None
-        if not self.delayed:  # blocking: the exchange is awaited at once, nothing is left unsent
+        if not self.overlapped:  # blocking: the exchange is awaited at once, nothing is left unsent
             self._launch(await self._compute.run(self.outer.pseudo_gradient), inner.tokens)
             return await self._conclude(inner, unsent=None)
         unsent = await self._compute.run(_progress_since, self.trainer.model, start)
@@ -211,21 +156,26 @@ class OuterRounds:
     async def _exchange(self, pseudo_gradient: list[torch.Tensor], tokens: int, epoch: int) -> Exchange:
         """Publish "ready" for ``epoch``, wait at the gate, then average with the ready peers (if any)."""
         cfg = self.cfg.averaging
-        await self.progress.publish(epoch=epoch, round=epoch + self.delayed, inner_step=self.trainer.step,
+        await self.progress.publish(epoch=epoch, round=epoch + self.overlapped, inner_step=self.trainer.step,
                                     ready=True, state_hash=self.sync.state_hash,
                                     tokens=self.progress.record.tokens + tokens)
         decision = await self.progress.wait_until_ready(
             min_peers=cfg.min_peers if epoch == 0 else 1, min_peers_timeout=cfg.first_round_timeout,
-            ready_timeout=cfg.ready_timeout, should_stop=self.should_stop, delayed=self.delayed)
+            ready_timeout=cfg.ready_timeout, should_stop=self.should_stop, delayed=self.overlapped)
         if self.should_stop():
             return Exchange(decision, RoundResult(ok=False, error=decision.reason), dropped=True)
         # blocking: behind or off the swarm's weights, our pseudo-gradient is relative to a state nobody holds
-        if not self.delayed and await self.catch_up(decision.records):
+        if not self.overlapped and await self.catch_up(decision.records):
             return Exchange(decision, RoundResult(ok=False), dropped=True)
+        # overlapped: our progress is a fair contribution (it is relative to where we started), but the outer
+        # weights it would be applied to are not the swarm's: the conclusion rebases instead of stepping
+        off_swarm = self.sync.needs_sync(swarm_target(decision.records)) if self.overlapped else ""
         if decision.ready < 2:
-            return Exchange(decision, RoundResult(ok=False, error=decision.reason))
+            return Exchange(decision, RoundResult(ok=False, error=decision.reason), off_swarm=off_swarm)
         self.events.write("averaging", peer=self.name, epoch=epoch, ready_peers=decision.ready)
-        return Exchange(decision, await self.averager.average(pseudo_gradient, weight=tokens, epoch=epoch))
+        return Exchange(decision, await self.averager.average(pseudo_gradient, weight=tokens, epoch=epoch,
+                                                              expected=decision.ready),
+                        off_swarm=off_swarm)
 
     async def _collect(self) -> tuple[Exchange, float]:
         """The pending exchange's outcome and how long we waited for it; a failure there is a lost round."""
@@ -243,8 +193,8 @@ class OuterRounds:
     async def _conclude(self, inner: InnerResult, unsent: list[torch.Tensor] | None) -> RoundRecord | None:
         """Check the pending exchange's average and apply it (or take a solo step, or rebase); the record.
 
-        ``unsent``: delayed mode's progress not averaged yet, kept on top of the new outer weights."""
-        if self.pending is None:  # delayed: the first round after starting or syncing
+        ``unsent``: overlapped modes' progress not averaged yet (``_continue`` puts it on top of the outer weights)."""
+        if self.pending is None:  # overlapped: the first round after starting or syncing
             await self._first_round(unsent)
             return None
         exchange, overlap_wait = await self._collect()
@@ -254,21 +204,23 @@ class OuterRounds:
         epoch, max_ratio = self.outer.epoch, self.cfg.averaging.max_update_ratio
         self.report_offenses(result)
         outcome = "averaged" if result.ok else ("failed" if decision.ready > 1 else "solo")
-        if result.ok and (why := refuse_update(result.averaged, self.sent, max_ratio)):
+        if result.ok and (why := refuse_update(result.averaged, self.sent, max_ratio)
+                          or self.averager.faults.refuses_average(epoch + 1)):
             result.ok, result.error, outcome = False, f"refused the group's average: {why}", "failed"
         if outcome == "failed":
-            logger.warning(f"round {epoch + 1}: averaging failed ({result.error})"
-                           + ("" if self.delayed else "; taking a solo outer step"))
+            logger.warning(f"round {epoch + 1}: averaging failed ({result.error}); taking the state the others "
+                           f"end this round with (or, if they have none, a solo outer step)")
         if len(set(result.group_epochs)) > 1:
             logger.warning(f"round {epoch + 1}: the group mixed epochs {sorted(result.group_epochs)}")
-        await self._apply(result, unsent, epoch)
-        if result.values_not_averaged or (outcome == "failed" and not self.delayed):
+        await self._apply(exchange, unsent, epoch)
+        if result.values_not_averaged:
             # our weights now differ from those of the others in the group: re-sync at once, before training
             logger.warning(f"round {epoch + 1}: {result.values_not_averaged} values were not averaged "
                            f"(a peer failed mid-round); checking our weights against the swarm's")
             # compare with the state the others end this round with: wait until one of them has stepped (a
             # peer that died mid-round stops counting when its record expires, after 3 heartbeats)
-            await self._rebase(unsent, await self._round_end(epoch, extra=3 * self.cfg.averaging.heartbeat))
+            await self._rebase(unsent, await self._round_end(epoch, extra=3 * self.cfg.averaging.heartbeat),
+                               others_only=True)
         eval_loss = await self._compute.run(self._evaluate_outer if unsent is not None else self.trainer.evaluate)
         return RoundRecord(
             peer=self.name, round=self.outer.epoch, epoch=epoch, outcome=outcome, group_size=result.group_size,
@@ -278,7 +230,7 @@ class OuterRounds:
             values_not_averaged=result.values_not_averaged, error=result.error, tokens=inner.tokens,
             compute_seconds=inner.compute_seconds, train_loss=inner.train_loss, eval_loss=eval_loss,
             inner_lr=self.trainer.current_lr(), outer_lr=self.cfg.outer.lr, inner_step=self.trainer.step,
-            param_sha256=self.sync.state_hash, overlap_wait_seconds=overlap_wait if self.delayed else None)
+            param_sha256=self.sync.state_hash, overlap_wait_seconds=overlap_wait if self.overlapped else None)
 
     async def _first_round(self, unsent: list[torch.Tensor]) -> None:
         if self.last_sync_epoch == self.outer.epoch:
@@ -286,15 +238,26 @@ class OuterRounds:
             # of; take their result as soon as they have it, with our progress on top
             await self._rebase(unsent, await self._round_end(self.outer.epoch))
         else:
-            await self._compute.run(self._keep, unsent)  # a fresh start: nothing to apply yet
+            await self._compute.run(self._continue, unsent, None)  # a fresh start: nothing to apply yet
 
-    async def _apply(self, result: RoundResult, unsent: list[torch.Tensor] | None, epoch: int) -> None:
-        """The outer step with the group's average; if there is none: delayed mode first tries to rebase onto
-        the peers whose round succeeded, else (and always in blocking mode) a solo step with our own."""
-        if not result.ok and self.delayed and await self._rebase(unsent, await self._round_end(epoch)):
-            return
+    async def _apply(self, exchange: Exchange, unsent: list[torch.Tensor] | None, epoch: int) -> None:
+        """The outer step with the group's average. Without one, first the state the other peers end this round
+        with (their records, not ours, decide: ``_rebase``), and only if they have none a solo step with our own
+        pseudo-gradient. An overlapped peer whose outer weights the gate found off the swarm's takes the others'
+        state instead of stepping."""
+        result = exchange.result
+        if not result.ok or exchange.off_swarm:
+            if exchange.off_swarm:
+                logger.warning(f"round {epoch + 1}: {exchange.off_swarm}: taking the swarm's state after this round")
+            if not result.ok:  # we no longer average this epoch: peers whose round failed too need not wait for us
+                self.averager.round_failed()
+                await self.progress.publish(ready=False)
+            # a peer that died mid-round stops counting when its record expires, after 3 heartbeats
+            records = await self._round_end(epoch, extra=3 * self.cfg.averaging.heartbeat, ready_only=True)
+            if await self._rebase(unsent, records, others_only=True):
+                return
         await self._compute.run(self._outer_step, result.averaged if result.ok else self.sent, unsent)
-        if not self.delayed:  # delayed mode publishes its new epoch with the next "ready"
+        if not self.overlapped:  # overlapped modes publish their new epoch with the next "ready"
             await self.progress.publish(epoch=self.outer.epoch, round=self.outer.epoch, ready=False,
                                         state_hash=self.sync.state_hash)
 
@@ -303,12 +266,15 @@ class OuterRounds:
             self.outer.step(update)
             self.sync.after_outer_step()
         if unsent is not None:
-            self._keep(unsent)
+            self._continue(unsent, update)
 
-    def _keep(self, unsent: list[torch.Tensor]) -> None:
-        """Replica = outer weights + ``unsent`` (the progress not averaged yet)."""
+    def _continue(self, unsent: list[torch.Tensor], average: list[torch.Tensor] | None) -> None:
+        """Overlapped: replica = outer weights + ``overlap_offset`` (``delayed``: the progress not averaged
+        yet; ``eager``: the outer step predicted from it and ``average``, the average just applied)."""
+        cfg = self.cfg.outer
+        on_top = overlap_offset(self.outer, cfg.overlap, unsent, average, cfg.eager_own_weight)
         with torch.no_grad():
-            for p, o, d in zip(self.trainer.model.parameters(), self.outer.params, unsent):
+            for p, o, d in zip(self.trainer.model.parameters(), self.outer.params, on_top):
                 p.copy_((o + d).to(p.device, p.dtype))
 
     def _evaluate_outer(self) -> float:
@@ -332,21 +298,28 @@ class OuterRounds:
 
     # --- healing: state sync
 
-    async def _round_end(self, epoch: int, extra: float = 0.0) -> list:
-        """The swarm's records once some peer has ended round ``epoch`` (``ready_timeout + extra`` at most)."""
+    async def _round_end(self, epoch: int, extra: float = 0.0, ready_only: bool = False) -> list:
+        """The swarm's records once some peer has ended round ``epoch`` (``ready_timeout + extra`` at most;
+        ``ready_only``: not waiting for peers at ``epoch`` that no longer average it, see ``wait_for_round_end``)."""
         return await self.progress.wait_for_round_end(epoch, self.cfg.averaging.ready_timeout + extra,
-                                                      self.should_stop)
+                                                      self.should_stop, ready_only=ready_only)
 
-    async def _rebase(self, unsent: list[torch.Tensor] | None, records: list) -> bool:
-        """If the swarm holds other outer weights than ours, download them (and keep our unsent progress)."""
-        if not await self.catch_up(records):
+    async def _rebase(self, unsent: list[torch.Tensor] | None, records: list, others_only: bool = False) -> bool:
+        """If the swarm holds other outer weights than ours, download them (and keep our unsent progress).
+        ``others_only``: after a failed round, judge by the other peers' records alone (with two peers the quorum
+        epoch is the lower one, and our own un-stepped record would make us our own target)."""
+        if others_only:
+            records = [r for r in records if r.peer_id != self.progress.record.peer_id]
+        if not await self.catch_up(records, sending=unsent is not None):
             return False
         if unsent is not None:
-            await self._compute.run(self._keep, unsent)
+            await self._compute.run(self._continue, unsent, None)
         return True
 
-    async def catch_up(self, records: list) -> bool:
+    async def catch_up(self, records: list, sending: bool = False) -> bool:
         """If the swarm is ahead of us or our weights differ from its, download its state. True if we did.
+        ``sending``: overlapped, we send progress at the synced epoch next (a rebase), so our record says we
+        are in that epoch's round and its gate waits for us; else the round after it, which we train next.
 
         Until we hold the swarm's state (synced, or nothing to sync) our epoch does not vote on the swarm's
         (``progress.quorum_epoch``): a newcomer or a peer restarted from an old checkpoint knows nothing of it.
@@ -370,12 +343,13 @@ class OuterRounds:
         if not result.ok:
             logger.warning(f"state sync failed ({result.error}); will try again at the next round")
             return False
-        # the inner LR-schedule position: the round after the synced epoch (delayed mode: the round after that,
+        # the inner LR-schedule position: the round after the synced epoch (overlapped: the round after that,
         # which the swarm trains while it averages the synced epoch's)
-        self.trainer.step = (self.outer.epoch + self.delayed) * self.cfg.outer.inner_steps
+        self.trainer.step = (self.outer.epoch + self.overlapped) * self.cfg.outer.inner_steps
+        next_round = self.outer.epoch + (self.overlapped and not sending)
         self.last_sync_epoch = self.outer.epoch
         self.averager.reset_feedback()  # the residual belonged to the weights we just replaced
-        await self.progress.publish(epoch=self.outer.epoch, round=self.outer.epoch + self.delayed,
+        await self.progress.publish(epoch=self.outer.epoch, round=next_round,
                                     inner_step=self.trainer.step, ready=False, state_hash=self.sync.state_hash,
                                     joined=True)
         logger.info(f"state sync: now at epoch {self.outer.epoch} ({result.bytes / 1e6:.2f} MB from "

@@ -90,3 +90,38 @@ def test_unit_lr_without_momentum_adopts_the_replica():
     outer.step(outer.pseudo_gradient())
     for o, t in zip(outer.params, trained):
         torch.testing.assert_close(o.detach(), t, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("nesterov,momentum", [(True, 0.9), (False, 0.9), (False, 0.0)])
+def test_lookahead_is_the_displacement_of_the_step_it_predicts(nesterov, momentum):
+    """Eager rounds start from ``outer + lookahead(g)``: exactly where ``step(g)`` would take the outer weights,
+    momentum included (a first step and a later one), while the outer state itself does not move."""
+    cfg = OuterConfig(lr=0.7, momentum=momentum, nesterov=nesterov)
+    model, outer = make(cfg)
+    for seed in (1, 2):
+        perturb(model, seed)
+        g = outer.pseudo_gradient()
+        before = [p.clone() for p in outer.params]
+        buffers = outer.momentum_buffers()
+        predicted = outer.lookahead(g)
+        assert all(torch.equal(a, b) for a, b in zip(before, outer.params))  # predicting moves nothing
+        assert all(torch.equal(a, b) for a, b in zip(buffers, outer.momentum_buffers()))
+        outer.step(g)
+        for b, p, d in zip(before, outer.params, predicted):
+            torch.testing.assert_close(b + d, p, rtol=0, atol=1e-6)
+
+
+def test_overlap_offset_per_mode():
+    """delayed keeps the own progress; eager predicts the step from own and last average, weighted."""
+    from diloco_peer.training.outer_optimizer import overlap_offset
+
+    model, outer = make(OuterConfig(lr=0.5, momentum=0.0, nesterov=False))
+    progress = [torch.full_like(p, 0.2) for p in outer.params]
+    average = [torch.full_like(p, -0.1) for p in outer.params]
+    assert overlap_offset(outer, "delayed", progress, average, 0.5) is progress
+    # plain SGD: -lr * (w * (-progress) + (1 - w) * average) = -0.5 * (0.5 * -0.2 + 0.5 * -0.1) = 0.075
+    eager = overlap_offset(outer, "eager", progress, average, 0.5)
+    assert all(torch.allclose(d, torch.full_like(d, 0.075)) for d in eager)
+    # no average yet: the own progress alone, whatever the weight: -0.5 * -0.2 = 0.1
+    first = overlap_offset(outer, "eager", progress, None, 0.5)
+    assert all(torch.allclose(d, torch.full_like(d, 0.1)) for d in first)

@@ -21,6 +21,8 @@ One fault at a time:
 - ``corrupt_state`` (or ``corrupt_state:noise``): serve weights off by 1e-3 (finite, plausible, not what we
   published); ``corrupt_state:nan``: serve NaN weights.
 - ``slow_serve:SECONDS``: wait that long before serving a state download (a newcomer is mid-sync meanwhile).
+- ``refuse_round:N[,N...]``: refuse the group's average of round N (epoch N-1) after the all-reduce succeeded,
+  as a peer whose check of the average fails: the others applied it, we did not (our weights leave theirs).
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ from .schema import ConfigError
 
 FAULT_ENV = "DILOCO_PEER_FAULT"
 """The environment variable that switches a fault on (tests only); empty is the same as unset."""
-KINDS = ("crash_in_allreduce", "poison", "lie_epoch", "corrupt_state", "slow_serve")
+KINDS = ("crash_in_allreduce", "poison", "lie_epoch", "corrupt_state", "slow_serve", "refuse_round")
 """The faults there are; a peer runs with one at most."""
 GRAMMAR = ("crash_in_allreduce:N, poison:nan|signflip|shape|weight|X, lie_epoch:N, corrupt_state[:nan], "
-           "slow_serve:SECONDS")
+           "slow_serve:SECONDS, refuse_round:N[,N...]")
 """The values ``FAULT_ENV`` may take, as error messages show them."""
 
 
@@ -61,6 +63,8 @@ class Faults:
     """How the weights we serve to a state download are corrupted: "", "noise" or "nan"."""
     serve_delay: float = 0.0
     """Seconds we wait before serving a state download (``slow_serve:S``): a newcomer is then mid-sync that long."""
+    refuse_rounds: tuple[int, ...] = ()
+    """Rounds (counted from 1) whose average we refuse after a successful all-reduce (``refuse_round``)."""
 
     @classmethod
     def parse(cls, text: str) -> Faults:
@@ -80,6 +84,8 @@ class Faults:
             return cls(corrupt=arg or "noise")
         if kind == "slow_serve" and sep and (delay := _number(arg)) is not None and 0 < delay <= 3600:
             return cls(serve_delay=delay)
+        if kind == "refuse_round" and sep and re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)*", arg):
+            return cls(refuse_rounds=tuple(int(n) for n in arg.split(",")))
         problem = f"unknown fault {_shorten(kind)!r}" if kind not in KINDS else f"bad argument for {kind}"
         raise ConfigError(f"bad fault {_shorten(text)!r} ({FAULT_ENV}): {problem}; expected one of {GRAMMAR}")
 
@@ -117,6 +123,11 @@ class Faults:
         if self.crash_in_allreduce and allreduce == self.crash_in_allreduce:
             os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def refuses_average(self, round_number: int) -> str:
+        """Why we refuse the group's average of round ``round_number`` ("" unless ``refuse_round`` names it).
+        Called where the round checks the average it got (``outer_round.py``)."""
+        return "the fault injection says so (refuse_round)" if round_number in self.refuse_rounds else ""
 
     async def delay_serving(self) -> None:
         """Before we serve a state download (``slow_serve:S``): wait S seconds, as a donor on a slow link would."""

@@ -144,10 +144,16 @@ class OuterConfig(_Section):
     lr: float = Field(0.7, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
-    overlap: Literal["blocking", "delayed"] = "blocking"
+    overlap: Literal["blocking", "eager", "delayed"] = "blocking"
     """``blocking``: wait for each round's average before training on (DiLoCo, OpenDiLoCo).
-    ``delayed``: average round t's progress while round t+1 trains and apply it at the end of round t+1
-    (DiLoCoX's one-step delay; see outer_round.py). The whole swarm must use the same mode."""
+    ``eager`` (the overlap to use): average round t's progress while round t+1 trains; round t+1 starts from
+    the outer step this peer predicts from its own fresh pseudo-gradient (Kale et al. 2025, "eager updates"),
+    and the true average replaces the prediction at the end of round t+1. ``delayed``: the same overlap
+    with the own progress kept as it is instead of a predicted step (DiLoCoX's one-step delay; for
+    comparison). See outer_round.py. The whole swarm must use the same mode."""
+    eager_own_weight: float = Field(1.0, ge=0, le=1)
+    """Eager rounds: the prediction of round t's average is ``w * own + (1 - w) * (round t-1's average)``
+    (BENCHMARKS.md has the study behind the default)."""
 
     @model_validator(mode="after")
     def _check_nesterov(self) -> OuterConfig:
@@ -183,6 +189,11 @@ class AveragingConfig(_Section):
     bandwidth: float = Field(0.0, ge=0)
     """Declared bandwidth in MB/s: the share of the all-reduce this peer reduces; 0 = equal shares. It can
     lower a slow peer's share, never raise one above the group's median peer's (robust_aggregation.py)."""
+    part_size_bytes: int = Field(65536, ge=4096, le=2**26)
+    """The all-reduce sends the pseudo-gradient in parts of up to this many bytes (after compression). A reducer
+    answers a part once every sender's copy of it arrived, so a round ends one part (per sender) after the last
+    byte: smaller parts shorten that tail. 64 KiB measured 0.85 of a TCP stream on a 20 Mbit/s link where
+    hivemind's default 512 KiB gave 0.80 (BENCHMARKS.md)."""
     sync_timeout: float = Field(30.0, gt=0)
     """State sync: seconds to wait for each chunk of a state download before trying another donor."""
     sync_attempts: int = Field(3, ge=1)

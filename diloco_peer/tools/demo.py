@@ -30,9 +30,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..config import ConfigError, PeerConfig, load_config
+from ..lifecycle.reaper import Reaper, kill_trees, stop_in_order
 from ..observe.events import EventFollower, read_events
 from ..observe.report import format_table, plot_losses, summarize
-from ..lifecycle.reaper import Reaper, kill_trees, stop_in_order
 from ..swarm.addresses import SwarmError
 from .churn import ChurnAction, due, effects, parse_churn
 from .netbed import EmulatedInternet, available

@@ -41,11 +41,11 @@ from pathlib import Path
 import torch
 
 from ..averaging.compression import ErrorFeedback, get_codec
-from ..config import PeerConfig
+from ..config import InnerConfig, PeerConfig
 from ..observe.report import save_figure
 from ..training.data import Corpus
 from ..training.model import build_model
-from ..training.outer_optimizer import OuterOptimizer
+from ..training.outer_optimizer import OuterOptimizer, overlap_offset
 from ..training.trainer import Trainer
 
 
@@ -104,12 +104,13 @@ def _model(cfg: PeerConfig, init: dict[str, torch.Tensor] | None) -> torch.nn.Mo
     return model
 
 
-def _replicas(cfg: PeerConfig, replicas: int, init: dict[str, torch.Tensor] | None, wire, error_feedback: bool):
-    """K replicas as K peers hold them: a trainer on data shard i of K, an outer optimizer, and with
-    ``error_feedback`` the codec's rounding error carried over from its last round."""
+def _replicas(cfg: PeerConfig, replicas: int, init: dict[str, torch.Tensor] | None, wire, error_feedback: bool,
+              inner: list[InnerConfig] | None = None):
+    """K replicas as K peers hold them: a trainer on data shard i of K (with ``inner[i]``, else ``cfg.inner``),
+    an outer optimizer, and with ``error_feedback`` the codec's rounding error carried over from its last round."""
     trainers, outers, feedback = [], [], []
     for i in range(replicas):
-        trainer = Trainer(_model(cfg, init), _corpus(cfg, i, replicas), cfg.inner)
+        trainer = Trainer(_model(cfg, init), _corpus(cfg, i, replicas), inner[i] if inner else cfg.inner)
         trainers.append(trainer)
         outers.append(OuterOptimizer(trainer.model, cfg.outer))
         feedback.append(ErrorFeedback(wire) if error_feedback else None)
@@ -138,29 +139,33 @@ def _weighted_mean(sent: list[list[torch.Tensor]], weights: list[int]) -> list[t
     return [sum(parts[i] * (w / total) for parts, w in zip(sent, weights)) for i in range(len(sent[0]))]
 
 
-def _apply_delayed(trainers: list[Trainer], outers: list[OuterOptimizer], starts: list[list[torch.Tensor]],
-                   pending: list[torch.Tensor] | None) -> None:
-    """Delayed overlap at the end of a round: the previous round's average (``pending``) moves the outer
-    weights, and each replica continues from them plus its own progress of this round, not sent yet."""
+def _apply_overlapped(trainers: list[Trainer], outers: list[OuterOptimizer], starts: list[list[torch.Tensor]],
+                      pending: list[torch.Tensor] | None, overlap: str, own_weight: float) -> None:
+    """Overlap at the end of a round: the previous round's average (``pending``) moves the outer weights, and
+    each replica continues from them plus what ``overlap_offset`` puts on top: ``delayed``, its own progress
+    of this round (not sent yet); ``eager``, the outer step it predicts from that progress."""
     for trainer, outer, start in zip(trainers, outers, starts):
         progress = [p.detach() - s for p, s in zip(trainer.model.parameters(), start)]
         if pending is not None:
             outer.step(pending)  # loads the new outer weights into the replica
         else:
             outer.load_into_model()
+        on_top = overlap_offset(outer, overlap, progress, pending, own_weight)
         with torch.no_grad():
-            for p, d in zip(trainer.model.parameters(), progress):
+            for p, d in zip(trainer.model.parameters(), on_top):
                 p.add_(d)
 
 
 def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none", overlap: str = "blocking",
-               error_feedback: bool = False, on_round=None, init: dict[str, torch.Tensor] | None = None) -> SimRun:
+               error_feedback: bool = False, on_round=None, init: dict[str, torch.Tensor] | None = None,
+               inner: list[InnerConfig] | None = None) -> SimRun:
     """K replicas for ``rounds`` outer rounds, from ``init`` (see ``pretrain``) or from scratch.
-    ``on_round(round, outer_params)`` is called after each round."""
+    ``on_round(round, outer_params)`` is called after each round. ``inner``: each replica's inner config, for
+    peers that differ (e.g. batch sizes, so that their pseudo-gradients weigh differently); default ``cfg.inner``."""
     started = time.perf_counter()
     wire = get_codec(codec)
     run = SimRun(f"diloco-k{replicas}-{codec}-{overlap}", "diloco", replicas, codec, overlap)
-    trainers, outers, feedback = _replicas(cfg, replicas, init, wire, error_feedback)
+    trainers, outers, feedback = _replicas(cfg, replicas, init, wire, error_feedback, inner)
     run.tokens.append(0)
     run.eval_loss.append(trainers[0].evaluate())
     pending = None  # delayed mode: the average of the previous round, applied at the end of this one
@@ -179,7 +184,7 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
             for outer in outers:
                 outer.step(average)
         else:
-            _apply_delayed(trainers, outers, starts, pending)
+            _apply_overlapped(trainers, outers, starts, pending, overlap, cfg.outer.eager_own_weight)
             pending = average
         if on_round is not None:
             on_round(rnd, outers[0].params)

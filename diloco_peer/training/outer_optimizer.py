@@ -37,6 +37,7 @@ class OuterOptimizer:
         )
         self.epoch = 0
         """Outer rounds applied so far."""
+        self.lr, self.momentum, self.nesterov = cfg.lr, cfg.momentum, cfg.nesterov
 
     @torch.no_grad()
     def pseudo_gradient(self) -> list[torch.Tensor]:
@@ -52,6 +53,22 @@ class OuterOptimizer:
         self.optimizer.zero_grad(set_to_none=True)
         self.epoch += 1
         self.load_into_model()
+
+    @torch.no_grad()
+    def lookahead(self, estimate: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The displacement ``step(estimate)`` would make, without making it (eager overlapped rounds).
+
+        Nesterov: ``-lr * ((1 + m) * g + m^2 * buf)``; classic momentum: ``-lr * (g + m * buf)``; plain SGD
+        ``-lr * g``, where ``buf`` is the momentum buffer as it is now (zeros before the first step, as in
+        ``step``). Every peer adds its own to the same outer weights; the true average replaces it later."""
+        m, out = self.momentum, []
+        for p, g, buf in zip(self.params, estimate, self.momentum_buffers()):
+            g = g.to(torch.float32)
+            if self.nesterov:
+                out.append(-self.lr * ((1 + m) * g + (m * m) * buf))
+            else:
+                out.append(-self.lr * (g + m * buf))
+        return out
 
     @torch.no_grad()
     def load_into_model(self) -> None:
@@ -79,3 +96,24 @@ class OuterOptimizer:
             self.optimizer.state[mine]["momentum_buffer"] = buf.to(torch.float32).clone()
         self.epoch = epoch
         self.load_into_model()
+
+
+@torch.no_grad()
+def overlap_offset(outer: OuterOptimizer, mode: str, progress: list[torch.Tensor],
+                   average: list[torch.Tensor] | None, own_weight: float) -> list[torch.Tensor]:
+    """What an overlapped replica trains from, on top of the outer weights, while its last round's average is
+    still in flight (``outer.overlap``; the swarm and ``diloco-peer simulate`` both call this).
+
+    ``progress`` is the replica's own progress of the round just ended (its pseudo-gradient, negated), which
+    the swarm is averaging now; ``average`` is the average just applied to the outer weights (the previous
+    round's; None if there is none yet). ``delayed`` keeps the progress as it is. ``eager`` takes the outer
+    step it predicts for this round instead: ``lookahead`` of ``own_weight * own + (1 - own_weight) *
+    average`` (own = ``-progress``, alone while there is no average): the replica starts the next round
+    where the swarm's outer weights will probably be, rather than one outer step behind them."""
+    if mode == "delayed":
+        return progress
+    if average is None:
+        own_weight = 1.0
+    estimate = [-d * own_weight + (a * (1 - own_weight) if average is not None else 0)
+                for d, a in zip(progress, average or progress)]
+    return outer.lookahead(estimate)

@@ -1,0 +1,69 @@
+"""What one outer round produces: its inner steps' numbers, its exchange, and the record the event log keeps.
+
+``outer_round.OuterRounds`` fills these in; the daemon hands each ``RoundRecord`` to the event log, whose
+``round`` events the metrics, the reports and the benchmarks read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .averaging.averager import RoundResult
+from .swarm.progress import ReadyDecision
+
+
+@dataclass
+class InnerResult:
+    """What a round's H inner steps did."""
+    tokens: int
+    compute_seconds: float
+    train_loss: float
+
+
+@dataclass
+class Exchange:
+    """A round's gate and all-reduce, as the conclusion sees them."""
+    decision: ReadyDecision
+    result: RoundResult
+    dropped: bool = False
+    """Stopped at the gate, or (blocking) the gate found us off the swarm's state and synced to it instead."""
+    off_swarm: str = ""
+    """Overlapped: why the gate found our outer weights off the swarm's ("" if they were not)."""
+
+
+@dataclass
+class RoundRecord:
+    """One finished round: the ``round`` event of the event log (metrics and reports read it)."""
+    peer: str
+    round: int
+    epoch: int
+    outcome: str
+    """``averaged`` with a group, ``solo`` (nobody to average with) or ``failed`` (a group formed, then failed)."""
+    group_size: int
+    group_epochs: list[int]
+    ready_peers: int
+    alive_peers: int
+    wait_seconds: float
+    allreduce_seconds: float
+    transfer_seconds: float
+    bytes_sent: int
+    bytes_received: int
+    bytes_relayed: int
+    values_not_averaged: int
+    error: str
+    tokens: int
+    compute_seconds: float
+    train_loss: float
+    eval_loss: float
+    inner_lr: float
+    outer_lr: float
+    inner_step: int
+    param_sha256: str
+    round_seconds: float = 0.0
+    overlap_wait_seconds: float | None = None
+    """Delayed mode: how long the end of the round waited for the exchange launched a round earlier."""
+    first_contribution_seconds: float | None = None
+    """Set on the first round this peer averaged with others: seconds from process start."""
+
+    def fields(self) -> dict:
+        return {key: value for key, value in asdict(self).items() if value is not None}
