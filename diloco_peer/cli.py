@@ -193,7 +193,7 @@ def _add_simulate(sub) -> None:
     sim.add_argument("--codec", default="none", choices=["none", "fp16", "bf16", "int8", "int4"],
                      help="pseudo-gradient codec on the (simulated) wire (default none)")
     sim.add_argument("--overlap", default="blocking", choices=["blocking", "eager", "delayed"],
-                     help="blocking, or delayed: average round t while round t+1 trains (default blocking)")
+                     help="blocking, eager or delayed: average round t while round t+1 trains (default blocking)")
     sim.add_argument("--error-feedback", action="store_true",
                      help="carry the codec's rounding error into the next round")
     sim.add_argument("--no-baselines", action="store_true", help="skip the single-replica and Kx-batch baselines")

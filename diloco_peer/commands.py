@@ -192,7 +192,8 @@ def simulate(args: argparse.Namespace) -> int:
     """``diloco-peer simulate``: K replicas in one process against the baselines (``tools/simulate.py``)."""
     from .config import load_config
 
-    cfg = load_config(args.config, list(args.overrides))
+    # --overlap is the simulated swarm's outer.overlap: the config resolves its defaults (the outer lr) with it
+    cfg = load_config(args.config, [f"outer.overlap={args.overlap}", *args.overrides])
     _check_can_create(args.out, "--out", directory=True)
     from .tools.simulate import run_simulate
 

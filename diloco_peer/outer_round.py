@@ -11,21 +11,26 @@ One outer round, as DiLoCo (Douillard et al. 2023) and OpenDiLoCo run it:
 5. **apply**: the outer Nesterov step with the average (or, if no group formed, with our own
    pseudo-gradient: a *solo* step, logged and counted); then evaluate.
 
-Steps 2-3 are the *exchange*. ``outer.overlap = "blocking"`` awaits it at once. ``"delayed"`` (DiLoCoX's
-one-step delay) launches it in the background and goes straight on training the next round; the
-exchange of round t is concluded (steps 4-5) at the end of round t+1. The replica then holds
-``outer weights + progress not averaged yet``: the progress included in the average is replaced by the
-average, the progress not sent yet is kept. The outer weights of peers that averaged together stay
-bit-identical in both modes; ``diloco-peer simulate --overlap delayed`` computes the same updates.
+Steps 2-3 are the *exchange*. ``outer.overlap = "blocking"`` awaits it at once. The overlapped modes launch
+it in the background and go straight on training the next round; the exchange of round t is concluded (steps
+4-5) at the end of round t+1. Meanwhile the replica trains from the outer weights plus what
+``training.outer_optimizer.overlap_offset`` puts on top: ``"eager"`` the outer step this peer predicts from
+its own fresh pseudo-gradient (Kale et al. 2025's eager updates), ``"delayed"`` (DiLoCoX's one-step delay)
+its own progress as it is. When the average arrives it replaces that stand-in. The outer weights of peers
+that averaged together stay bit-identical in every mode; ``diloco-peer simulate --overlap eager`` computes
+the same updates.
 
-Epochs (delayed): after applying round t's average the outer weights are at epoch t; the record says
+Epochs (overlapped): after applying round t's average the outer weights are at epoch t; the record says
 ``epoch t, ready, round t+1`` while round t+1 trains, and the gate of epoch t waits for the peers whose
 record says ``round t`` (``SwarmProgress.wait_until_ready(delayed=True)``).
 
 Healing: a peer that is behind (newcomer, restart from an old checkpoint, straggler) or whose weights left
 the swarm's (a failed round, a reducer that died mid-all-reduce) downloads the swarm's state from peers that
-hold it (``state/state_sync.py``) and goes on from there; in delayed mode with its own unsent progress on
-top (a *rebase*). A newcomer synced at epoch e trains round e+1 and rebases at its end onto epoch e+1.
+hold it (``state/state_sync.py``) and goes on from there; overlapped, with its own unsent progress on top (a
+*rebase*). Every gate compares the swarm's (epoch, hash) with ours: blocking syncs at once, overlapped takes
+the swarm's state at the end of that round. A failed round takes the state the *other* peers end it with
+(with two peers our own un-stepped record would otherwise make us our own target) and steps alone only if
+they have none. A newcomer synced at epoch e trains round e+1 and rebases at its end onto epoch e+1.
 """
 
 from __future__ import annotations
@@ -238,7 +243,7 @@ class OuterRounds:
             # of; take their result as soon as they have it, with our progress on top
             await self._rebase(unsent, await self._round_end(self.outer.epoch))
         else:
-            await self._compute.run(self._continue, unsent, None)  # a fresh start: nothing to apply yet
+            await self._compute.run(self._continue, unsent)  # a fresh start: nothing to apply yet
 
     async def _apply(self, exchange: Exchange, unsent: list[torch.Tensor] | None, epoch: int) -> None:
         """The outer step with the group's average. Without one, first the state the other peers end this round
@@ -266,13 +271,12 @@ class OuterRounds:
             self.outer.step(update)
             self.sync.after_outer_step()
         if unsent is not None:
-            self._continue(unsent, update)
+            self._continue(unsent)
 
-    def _continue(self, unsent: list[torch.Tensor], average: list[torch.Tensor] | None) -> None:
+    def _continue(self, unsent: list[torch.Tensor]) -> None:
         """Overlapped: replica = outer weights + ``overlap_offset`` (``delayed``: the progress not averaged
-        yet; ``eager``: the outer step predicted from it and ``average``, the average just applied)."""
-        cfg = self.cfg.outer
-        on_top = overlap_offset(self.outer, cfg.overlap, unsent, average, cfg.eager_own_weight)
+        yet; ``eager``: the outer step predicted from it)."""
+        on_top = overlap_offset(self.outer, self.cfg.outer.overlap, unsent)
         with torch.no_grad():
             for p, o, d in zip(self.trainer.model.parameters(), self.outer.params, on_top):
                 p.copy_((o + d).to(p.device, p.dtype))
@@ -313,7 +317,7 @@ class OuterRounds:
         if not await self.catch_up(records, sending=unsent is not None):
             return False
         if unsent is not None:
-            await self._compute.run(self._continue, unsent, None)
+            await self._compute.run(self._continue, unsent)
         return True
 
     async def catch_up(self, records: list, sending: bool = False) -> bool:

@@ -112,16 +112,10 @@ def test_lookahead_is_the_displacement_of_the_step_it_predicts(nesterov, momentu
 
 
 def test_overlap_offset_per_mode():
-    """delayed keeps the own progress; eager predicts the step from own and last average, weighted."""
+    """delayed keeps the own progress; eager predicts the outer step from it (plain SGD: -lr * (-progress))."""
     from diloco_peer.training.outer_optimizer import overlap_offset
 
     model, outer = make(OuterConfig(lr=0.5, momentum=0.0, nesterov=False))
     progress = [torch.full_like(p, 0.2) for p in outer.params]
-    average = [torch.full_like(p, -0.1) for p in outer.params]
-    assert overlap_offset(outer, "delayed", progress, average, 0.5) is progress
-    # plain SGD: -lr * (w * (-progress) + (1 - w) * average) = -0.5 * (0.5 * -0.2 + 0.5 * -0.1) = 0.075
-    eager = overlap_offset(outer, "eager", progress, average, 0.5)
-    assert all(torch.allclose(d, torch.full_like(d, 0.075)) for d in eager)
-    # no average yet: the own progress alone, whatever the weight: -0.5 * -0.2 = 0.1
-    first = overlap_offset(outer, "eager", progress, None, 0.5)
-    assert all(torch.allclose(d, torch.full_like(d, 0.1)) for d in first)
+    assert overlap_offset(outer, "delayed", progress) is progress
+    assert all(torch.allclose(d, torch.full_like(d, 0.1)) for d in overlap_offset(outer, "eager", progress))

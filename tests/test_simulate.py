@@ -78,16 +78,22 @@ def test_error_feedback_keeps_the_residual_of_a_failed_round():
     assert torch.allclose(sent[0] + fb.residuals[0], x + kept)
 
 
-def test_baselines_and_delayed_overlap_train():
+def test_baselines_train_and_eager_overlap_keeps_blocking_quality():
     cfg = load_config(None, [*GOLDEN_SETS, "data.max_bytes=300_000"])
     single = run_baseline(cfg, "single", 2, 2)
     kx = run_baseline(cfg, "kx_batch", 2, 2)
     assert kx.tokens[-1] == 2 * single.tokens[-1] and kx.bytes_per_replica > 0 == single.bytes_per_replica
-    delayed = run_diloco(cfg, 2, 3, codec="int8", overlap="delayed")
-    assert delayed.eval_loss[-1] < delayed.eval_loss[0] - 1.0
-    # 3 rounds x (send + receive) x 2 (K-1)/K x ~1.004 bytes per value
+    rounds = 6
+    blocking = run_diloco(cfg, 2, rounds, codec="int8")
+    eager_cfg = load_config(None, [*GOLDEN_SETS, "data.max_bytes=300_000", "outer.overlap=eager"])
+    assert eager_cfg.outer.lr == 0.35 and cfg.outer.lr == 0.7  # each mode's default outer lr
+    eager = run_diloco(eager_cfg, 2, rounds, codec="int8", overlap="eager")
+    # the overlap must not cost quality: eager ends no worse than blocking, each at its default outer lr
+    # (measured: 2.42 vs 2.61; the one-step delay without the eager step: 2.59 at 0.35, 2.63 at 0.7)
+    assert eager.eval_loss[-1] < blocking.eval_loss[-1] + 0.1, (eager.eval_loss, blocking.eval_loss)
+    # rounds x (send + receive) x 2 (K-1)/K x ~1.004 bytes per value
     values = sum(p.numel() for p in build_model(cfg.model, 0).parameters())
-    assert 3 * 2 * 1.0 * values < delayed.bytes_per_replica < 3 * 2 * 1.01 * values
+    assert rounds * 2 * 1.0 * values < eager.bytes_per_replica < rounds * 2 * 1.01 * values
 
 
 @pytest.mark.slow

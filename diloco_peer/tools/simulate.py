@@ -1,7 +1,7 @@
 """``diloco-peer simulate``: K DiLoCo replicas in one process, no network, plus the two baselines.
 
     diloco-peer simulate --replicas 4 --rounds 20 --out runs/sim
-    diloco-peer simulate --replicas 8 --rounds 20 --codec int8 --overlap delayed --set outer.inner_steps=25
+    diloco-peer simulate --replicas 8 --rounds 20 --codec int8 --overlap eager --set outer.inner_steps=25
 
 It runs exactly what a swarm of K peers computes, built from the same parts (``build_model``,
 ``Corpus`` shard i of K as ``diloco-peer demo`` gives peer i, ``Trainer``, ``OuterOptimizer``):
@@ -15,12 +15,12 @@ Two baselines, at the same number of inner steps:
 - ``kx_batch``: one replica with batch K*B (as gradient accumulation), what data-parallel training of
   K workers computes; the same compute as DiLoCo with K replicas.
 
-Overlap ``delayed`` (DiLoCoX's one-step delay): round t's pseudo-gradient is the replica's own progress
-during round t (weights at the start of the round minus weights at its end). It is averaged while
-round t+1 trains; at the end of round t+1 the outer step applies the average of round t to the outer
-weights, and the replica continues from ``outer + (progress of round t+1)``: the progress already
-included in the average is replaced by the average, the progress not sent yet is kept. Blocking mode
-(the default) waits for the average and restarts every round from the outer weights.
+Overlapped rounds (``eager``, ``delayed``): round t's pseudo-gradient is the replica's own progress during
+round t (weights at the start of the round minus weights at its end). It is averaged while round t+1
+trains; at the end of round t+1 the outer step applies the average of round t to the outer weights, and
+the replica continues from them plus ``overlap_offset``: ``eager``, the outer step it predicts from its own
+pseudo-gradient of round t+1 (not sent yet); ``delayed`` (DiLoCoX's one-step delay), that progress as it
+is. Blocking mode (the default) waits for the average and restarts every round from the outer weights.
 
 Eval loss is measured on the outer weights (in delayed mode they lag one round behind the replicas;
 the last round's average is applied when the run ends, so the final number includes every round).
@@ -140,7 +140,7 @@ def _weighted_mean(sent: list[list[torch.Tensor]], weights: list[int]) -> list[t
 
 
 def _apply_overlapped(trainers: list[Trainer], outers: list[OuterOptimizer], starts: list[list[torch.Tensor]],
-                      pending: list[torch.Tensor] | None, overlap: str, own_weight: float) -> None:
+                      pending: list[torch.Tensor] | None, overlap: str) -> None:
     """Overlap at the end of a round: the previous round's average (``pending``) moves the outer weights, and
     each replica continues from them plus what ``overlap_offset`` puts on top: ``delayed``, its own progress
     of this round (not sent yet); ``eager``, the outer step it predicts from that progress."""
@@ -150,7 +150,7 @@ def _apply_overlapped(trainers: list[Trainer], outers: list[OuterOptimizer], sta
             outer.step(pending)  # loads the new outer weights into the replica
         else:
             outer.load_into_model()
-        on_top = overlap_offset(outer, overlap, progress, pending, own_weight)
+        on_top = overlap_offset(outer, overlap, progress)
         with torch.no_grad():
             for p, d in zip(trainer.model.parameters(), on_top):
                 p.add_(d)
@@ -184,7 +184,7 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
             for outer in outers:
                 outer.step(average)
         else:
-            _apply_overlapped(trainers, outers, starts, pending, overlap, cfg.outer.eager_own_weight)
+            _apply_overlapped(trainers, outers, starts, pending, overlap)
             pending = average
         if on_round is not None:
             on_round(rnd, outers[0].params)

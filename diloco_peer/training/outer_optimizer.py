@@ -99,21 +99,16 @@ class OuterOptimizer:
 
 
 @torch.no_grad()
-def overlap_offset(outer: OuterOptimizer, mode: str, progress: list[torch.Tensor],
-                   average: list[torch.Tensor] | None, own_weight: float) -> list[torch.Tensor]:
+def overlap_offset(outer: OuterOptimizer, mode: str, progress: list[torch.Tensor]) -> list[torch.Tensor]:
     """What an overlapped replica trains from, on top of the outer weights, while its last round's average is
     still in flight (``outer.overlap``; the swarm and ``diloco-peer simulate`` both call this).
 
     ``progress`` is the replica's own progress of the round just ended (its pseudo-gradient, negated), which
-    the swarm is averaging now; ``average`` is the average just applied to the outer weights (the previous
-    round's; None if there is none yet). ``delayed`` keeps the progress as it is. ``eager`` takes the outer
-    step it predicts for this round instead: ``lookahead`` of ``own_weight * own + (1 - own_weight) *
-    average`` (own = ``-progress``, alone while there is no average): the replica starts the next round
-    where the swarm's outer weights will probably be, rather than one outer step behind them."""
+    the swarm is averaging now. ``delayed`` keeps it as it is. ``eager`` takes the outer step it predicts from
+    it instead (``lookahead`` of the own pseudo-gradient, standing in for the average): the replica starts the
+    next round where the swarm's outer weights will probably be, rather than one outer step behind them.
+    (Predicting with the last average mixed in, ``w * own + (1 - w) * last``, diverged in the study in
+    BENCHMARKS.md: averages of consecutive rounds point against each other at DiLoCo's outer lr.)"""
     if mode == "delayed":
         return progress
-    if average is None:
-        own_weight = 1.0
-    estimate = [-d * own_weight + (a * (1 - own_weight) if average is not None else 0)
-                for d, a in zip(progress, average or progress)]
-    return outer.lookahead(estimate)
+    return outer.lookahead([-d for d in progress])
