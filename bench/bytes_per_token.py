@@ -37,7 +37,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="H=250 and int4 only")
     parser.add_argument("--H", type=int, default=None, help="inner steps per round (default 500; quick 250)")
     parser.add_argument("--rounds", type=int, default=3, help="outer rounds per codec (the first is not counted)")
-    parser.add_argument("--overlap", default="delayed", choices=["blocking", "delayed"])
+    parser.add_argument("--overlap", default="eager", choices=["blocking", "eager", "delayed"])
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     if why := available():

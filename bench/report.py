@@ -31,7 +31,7 @@ TABLES = {
     "allreduce_efficiency": ("All-reduce throughput vs raw TCP (`bench/allreduce_efficiency.py`)",
                              "bytes/s per peer in the all-reduce proper; baseline: one TCP stream on the same link; "
                              "of_mesh: the same rate / a raw TCP full mesh's (every peer sending to all at once)",
-                             ["codec", "mbit", "parameters", "part_size", "of_mesh", "quick"]),
+                             ["codec", "mbit", "parameters", "of_mesh", "quick"]),
     "daemon_overhead": ("Inner-loop throughput in the daemon vs a bare loop (`bench/daemon_overhead.py`)",
                         "tokens/s; baseline: a bare PyTorch loop on the same model and data",
                         ["threads", "steps", "batch", "mode", "ratios"]),

@@ -1,7 +1,7 @@
 """Run a real swarm on an emulated slow network and measure it: what the network benchmarks share.
 
     with SlowNetwork(peers=3, mbit=20) as net:
-        stats = run_swarm(net, ["outer.overlap=delayed", "averaging.compression=int8"], rounds=6, workdir=Path("w"))
+        stats = run_swarm(net, ["outer.overlap=eager", "averaging.compression=int8"], rounds=6, workdir=Path("w"))
         stats["utilization"], stats["bytes_per_token"], stats["ddp_bytes_per_token"]
 
 A bootstrap node and peer 0 share namespace 0; peer i runs ``diloco-peer join`` in namespace i, listening on

@@ -43,9 +43,9 @@ def main() -> int:
         return 2
     rounds = args.rounds or (4 if args.quick else 8)
     if args.quick:
-        plan = [("blocking", "none"), ("delayed", "int8")]
+        plan = [("blocking", "none"), ("eager", "int8")]
     else:
-        plan = [(mode, codec) for mode in ("blocking", "delayed") for codec in ("none", "fp16", "int8", "int4")]
+        plan = [(mode, codec) for mode in ("blocking", "eager") for codec in ("none", "fp16", "int8", "int4")]
     common = [f"outer.inner_steps={args.H}", "averaging.ready_timeout=10.0", *args.overrides]
     print(f"{args.peers} peers, {args.mbit:g} Mbit/s links (tbf), H={args.H}, {rounds} rounds per configuration, "
           f"overrides {args.overrides or 'none'}", flush=True)

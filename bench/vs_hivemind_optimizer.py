@@ -228,7 +228,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for both sides, e.g. --set model.hidden_size=192")
     parser.add_argument("--ours", action="append", default=None, metavar="KEY=VALUE",
-                        help="override for our side only (default: outer.overlap=delayed, as hivemind overlaps too)")
+                        help="override for our side only (default: outer.overlap=eager, as hivemind overlaps too)")
     parser.add_argument("--hivemind-blocking", action="store_true",
                         help="hivemind averages inside .step() (delay_state_averaging=False), like OpenDiLoCo")
     parser.add_argument("--hivemind-only", action="store_true", help="measure the hivemind side only (no figure)")
@@ -238,7 +238,7 @@ def main() -> None:
     args = parser.parse_args()
     args.H = args.H or (30 if args.quick else 60)
     args.rounds = args.rounds or (2 if args.quick else 5)
-    ours = args.ours if args.ours is not None else ["outer.overlap=delayed"]
+    ours = args.ours if args.ours is not None else ["outer.overlap=eager"]
     if args.peer is not None:
         args.peer = int(args.peer)
         return hivemind_peer(args)

@@ -1,0 +1,76 @@
+"""Does overlapping a round with the next one cost model quality? Blocking vs eager vs delayed, 30+ rounds.
+
+    .venv/bin/python bench/overlap_quality.py --replicas 4 --H 10 --steps 300 --codecs int8     # ~5 min
+    .venv/bin/python bench/overlap_quality.py --replicas 8 --H 10 --steps 300 --codecs int8     # ~10 min
+    .venv/bin/python bench/overlap_quality.py --replicas 4 --H 25 --steps 750 --codecs int8     # ~12 min
+
+Every run is ``diloco-peer simulate``'s engine (``tools/simulate.run_diloco``, which a test proves computes
+what a real swarm computes, eager mode included), K replicas of the tiny config from the same pretrained
+start (``--pretrain`` steps of one replica, as the DiLoCo paper starts from a pretrained model), T inner
+steps in rounds of H, one torch thread. Each overlap mode runs with the config it would have in a swarm
+(``outer.overlap`` set, so its default outer lr: 0.7 blocking, 0.35 overlapped) plus ``--set``; ``--modes``
+picks them, e.g. ``--modes delayed --set outer.lr=0.7`` for the one-step delay at blocking's lr.
+
+Prints eval loss and perplexity per run and each one's perplexity against blocking with the same codec, and
+appends the runs to ``--out`` (a JSON list; the study tables of BENCHMARKS.md come from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from diloco_peer.config import load_config  # noqa: E402
+from diloco_peer.tools.simulate import pretrain, run_diloco  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=4, help="K (default 4)")
+    parser.add_argument("--H", type=int, default=10, help="inner steps per round (default 10)")
+    parser.add_argument("--steps", type=int, default=300, help="T, inner steps per run (default 300: 30 rounds)")
+    parser.add_argument("--pretrain", type=int, default=300, help="steps of the shared warm start (default 300)")
+    parser.add_argument("--codecs", default="int8", help="comma-separated (default int8)")
+    parser.add_argument("--modes", default="blocking,eager,delayed", help="comma-separated overlap modes")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "overlap_quality.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    base = [f"outer.inner_steps={args.H}", f"inner.total_steps={args.steps}", "run.threads=1", *args.overrides]
+    init = pretrain(load_config(None, base), args.pretrain) if args.pretrain else None
+    runs = []
+    for codec in args.codecs.split(","):
+        for mode in args.modes.split(","):
+            cfg = load_config(None, [f"outer.overlap={mode}", *base])
+            started = time.perf_counter()
+            run = run_diloco(cfg, args.replicas, args.steps // args.H, codec, mode, init=init)
+            runs.append({"replicas": args.replicas, "H": args.H, "steps": args.steps, "pretrain": args.pretrain,
+                         "codec": codec, "overlap": mode, "outer_lr": cfg.outer.lr,
+                         "outer_momentum": cfg.outer.momentum, "overrides": args.overrides,
+                         "final_eval_loss": run.eval_loss[-1], "eval_loss": run.eval_loss,
+                         "seconds": round(time.perf_counter() - started, 1)})
+            print(f"K={args.replicas} H={args.H} {codec:5} {mode:9} lr {cfg.outer.lr:<5} eval loss "
+                  f"{run.eval_loss[-1]:.4f} (ppl {math.exp(run.eval_loss[-1]):.3f}) in {runs[-1]['seconds']:.0f}s",
+                  flush=True)
+    for r in runs:
+        ref = next((b for b in runs if b["codec"] == r["codec"] and b["overlap"] == "blocking"), None)
+        if ref is not None and r is not ref:
+            gap = math.exp(r["final_eval_loss"] - ref["final_eval_loss"]) - 1
+            print(f"  {r['codec']} {r['overlap']}: {gap * 100:+.1f}% ppl vs blocking")
+    out = Path(args.out)
+    previous = json.loads(out.read_text()) if out.exists() else []
+    out.write_text(json.dumps(previous + runs, indent=1))
+    print(f"appended {len(runs)} runs to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
