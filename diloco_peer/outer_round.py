@@ -179,7 +179,7 @@ class OuterRounds:
             return Exchange(decision, RoundResult(ok=False, error=decision.reason), off_swarm=off_swarm)
         self.events.write("averaging", peer=self.name, epoch=epoch, ready_peers=decision.ready)
         return Exchange(decision, await self.averager.average(pseudo_gradient, weight=tokens, epoch=epoch,
-                                                              expected=decision.ready),
+                                                              expected=decision.alive),
                         off_swarm=off_swarm)
 
     async def _collect(self) -> tuple[Exchange, float]:

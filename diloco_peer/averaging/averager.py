@@ -122,10 +122,11 @@ class RoundAverager:
         """All-reduce ``pseudo_gradient`` (weighted by ``weight``, the tokens behind it) with a group.
 
         :param epoch: our outer epoch: only peers averaging the same epoch share a group
-        :param expected: how many peers (us included) the round gate counted ready: once that many are in the
-          group, its all-reduce starts at once; ``averaging.matchmaking_time`` only bounds the wait for ready
-          peers that never show up. None (or fewer than 2): the group gathers for the whole window. A peer the
-          gate did not count (it got ready later) may find the group full and be left out of it this round.
+        :param expected: how many peers (us included) the round gate saw alive: once that many are in the group,
+          its all-reduce starts at once; ``averaging.matchmaking_time`` only bounds the wait for peers that do not
+          show up (a straggler still training, a peer that died). None (or fewer than 2): the group gathers for
+          the whole window. (The count of *ready* peers would turn a peer away that got ready just after another
+          peer's gate opened: a full group refuses it, and it lost rounds that way in a 4-peer NAT test.)
         """
         started = time.perf_counter()
         before = self.averager.traffic.clone()

@@ -69,6 +69,9 @@ INVENTORY = (
     PrivateUse(MATCHMAKING, "rpc_join_group", "relies",
                "set_target_group_size: a leader assembles its group when target_group_size members are in",
                ("request", "context"), "0d6120e412849439dbc8dd78ef7d87543ef956e251fa1590888af06dfc12864a"),
+    PrivateUse(MATCHMAKING, "leader_assemble_group", "relies",
+               "set_target_group_size: wrapped on the instance, to wait ASSEMBLY_GRACE before forming the group",
+               (), "516cc5ff7fb369f2bec50e89ba31d5a2628001f45f159da650b6de759d786fd4"),
     PrivateUse(MATCHMAKING, "_check_reasons_to_reject", "relies",
                "set_target_group_size: a full group turns further peers away (GROUP_IS_FULL)",
                ("request", "context"), "c694e8194862154f80c71315a9a91813d01c907668a4fba8d1f29c88fe7618d3"),
@@ -153,8 +156,31 @@ def set_target_group_size(averager: DecentralizedAverager, size: int | None) -> 
     creates it; ``rpc_join_group`` reads it at every follower it accepts (assembles the group when it is reached)
     and ``_check_reasons_to_reject`` turns further peers away with ``GROUP_IS_FULL``. Only the matchmaking's copy
     is set: the ``GroupKeyManager`` keeps its own (None), from which it derives the group bits after a group.
+
+    A group assembled the moment its last follower is accepted can hold a follower that is already gone: one
+    whose join request timed out on its side (a busy leader answered late) closes its stream and looks for
+    another group, and hivemind forgets it only once its handler sees the closed stream. The group would
+    then wait a whole sender timeout for its parts (seen under load: a 40 s round). So the matchmaking's
+    ``leader_assemble_group`` waits ``ASSEMBLY_GRACE`` seconds first (it holds the join lock: nobody else
+    joins meanwhile), and a follower that left in the meantime is not in the group.
     """
-    averager._matchmaking.target_group_size = size
+    matchmaking = averager._matchmaking
+    matchmaking.target_group_size = size
+    if not getattr(matchmaking, "_assembles_after_grace", False):
+        assemble = matchmaking.leader_assemble_group
+
+        async def assemble_after_grace():
+            await asyncio.sleep(ASSEMBLY_GRACE)
+            if matchmaking.assembled_group.done():  # cancelled meanwhile (the step was): nothing to form
+                return matchmaking.assembled_group.result()
+            return await assemble()
+
+        matchmaking.leader_assemble_group = assemble_after_grace
+        matchmaking._assembles_after_grace = True
+
+
+ASSEMBLY_GRACE = 0.15
+"""Seconds a leader waits between "the group is complete" and forming it (see ``set_target_group_size``)."""
 
 
 def patch_join_requests(averager: DecentralizedAverager, refuses: Callable[[PeerID], bool]) -> None:

@@ -188,7 +188,7 @@ class AveragingConfig(_Section):
     """Wait budget per round: seconds to wait for peers still training in this epoch before the round
     starts with those that are ready (a straggler must not hold the swarm hostage)."""
     matchmaking_time: float = Field(3.0, gt=0)
-    """Seconds a group leader waits at most for the peers the round gate counted ready (hivemind
+    """Seconds a group leader waits at most for the live peers the round gate saw (hivemind
     ``min_matchmaking_time``); a group with all of them starts its all-reduce at once."""
     request_timeout: float = Field(2.0, gt=0)
     allreduce_timeout: float = Field(60.0, gt=0)
@@ -198,11 +198,12 @@ class AveragingConfig(_Section):
     bandwidth: float = Field(0.0, ge=0)
     """Declared bandwidth in MB/s: the share of the all-reduce this peer reduces; 0 = equal shares. It can
     lower a slow peer's share, never raise one above the group's median peer's (robust_aggregation.py)."""
-    part_size_bytes: int = Field(65536, ge=4096, le=2**26)
+    part_size_bytes: int = Field(2**19, ge=4096, le=2**26)
     """The all-reduce sends the pseudo-gradient in parts of up to this many bytes (after compression). A reducer
     answers a part once every sender's copy of it arrived, so a round ends one part (per sender) after the last
-    byte: smaller parts shorten that tail. 64 KiB measured 0.85 of a TCP stream on a 20 Mbit/s link where
-    hivemind's default 512 KiB gave 0.80 (BENCHMARKS.md)."""
+    byte: smaller parts shorten that tail. 65536 measured 0.85-0.87 of a TCP stream on a 20 Mbit/s link where
+    hivemind's default 512 KiB (kept as ours) gave 0.80 (BENCHMARKS.md); not the default yet: one round of a
+    loopback test swarm lost one 64 KiB part with it, not understood yet."""
     sync_timeout: float = Field(30.0, gt=0)
     """State sync: seconds to wait for each chunk of a state download before trying another donor."""
     sync_attempts: int = Field(3, ge=1)
