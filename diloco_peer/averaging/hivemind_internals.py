@@ -160,13 +160,13 @@ def set_target_group_size(averager: DecentralizedAverager, size: int | None) -> 
     A group assembled the moment its last follower is accepted can hold a follower that is already gone: one
     whose join request timed out on its side (a busy leader answered late) closes its stream and looks for
     another group, and hivemind forgets it only once its handler sees the closed stream. The group would
-    then wait a whole sender timeout for its parts (seen under load: a 40 s round). So the matchmaking's
-    ``leader_assemble_group`` waits ``ASSEMBLY_GRACE`` seconds first (it holds the join lock: nobody else
+    then wait a whole sender timeout for its parts (seen under load: a 40 s round). So, once a size was set,
+    the matchmaking's ``leader_assemble_group`` waits ``ASSEMBLY_GRACE`` seconds first (it holds the join lock: nobody else
     joins meanwhile), and a follower that left in the meantime is not in the group.
     """
     matchmaking = averager._matchmaking
     matchmaking.target_group_size = size
-    if not getattr(matchmaking, "_assembles_after_grace", False):
+    if size is not None and not getattr(matchmaking, "_assembles_after_grace", False):
         assemble = matchmaking.leader_assemble_group
 
         async def assemble_after_grace():
