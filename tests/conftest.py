@@ -138,6 +138,17 @@ def require_tool(name: str, package: str) -> None:
         pytest.skip(message)
 
 
+def require_namespaces() -> None:
+    """Skip a test that needs network namespaces and iptables (root) off CI, with the reason; fail it in CI."""
+    from diloco_peer.tools import netbed
+
+    why = netbed.available() or ("" if netbed.shutil.which("iptables") else "iptables is not installed")
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"NAT tests must run in CI: {why}")
+        pytest.skip(why)
+
+
 @pytest.fixture
 def dhts():
     """``dhts(n)``: n real DHT nodes on loopback, joined through one more root node; all shut down after."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import FAST, diloco_cmd, wait_for_line, wait_until
+from conftest import FAST, diloco_cmd, require_namespaces, wait_for_line, wait_until
 
 from diloco_peer.cli import EXIT_INTERRUPTED
 from diloco_peer.config.faults import FAULT_ENV
@@ -57,14 +57,6 @@ def describe(tree: list[psutil.Process]) -> str:
 def namespaces(prefix: str) -> list[str]:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
     return [line.split()[0] for line in listed if line.startswith(prefix)]
-
-
-def need_namespaces() -> None:
-    why = netbed.available() or ("" if netbed.shutil.which("iptables") else "iptables is not installed")
-    if why:
-        if os.environ.get("CI"):
-            pytest.fail(f"NAT tests must run in CI: {why}")
-        pytest.skip(why)
 
 
 class Demo:
@@ -111,7 +103,7 @@ class Demo:
 @pytest.mark.parametrize("sig, nat", [(signal.SIGTERM, False), (signal.SIGTERM, True)], ids=["SIGTERM", "SIGTERM-nat"])
 def test_a_signal_to_the_demo_stops_its_whole_swarm_then_exits_130(tmp_path, sig, nat):
     if nat:
-        need_namespaces()
+        require_namespaces()
     demo = Demo(tmp_path, *(["--nat", *[a for item in RELAYED for a in ("--set", item)]] if nat else []))
     tag = f"dnat{demo.proc.pid % 100000}-"  # netbed.EmulatedInternet's names for the demo's internet
     try:
@@ -146,7 +138,7 @@ def test_a_sigkilled_demo_takes_its_whole_swarm_along(tmp_path):
 
 @pytest.mark.slow
 def test_a_sigkilled_nat_demo_leaves_no_process_and_no_namespace(tmp_path):
-    need_namespaces()
+    require_namespaces()
     demo = Demo(tmp_path, "--nat", *[a for item in RELAYED for a in ("--set", item)])
     tag = f"dnat{demo.proc.pid % 100000}-"  # netbed.EmulatedInternet's names for the demo's internet
     try:

@@ -14,7 +14,7 @@ import signal
 import subprocess
 
 import pytest
-from conftest import diloco_cmd, wait_until
+from conftest import diloco_cmd, require_namespaces, wait_until
 
 from diloco_peer.tools import netbed
 
@@ -28,11 +28,7 @@ DEAD_RELAY = "/ip4/10.78.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DW
 @pytest.fixture
 def internet(request):
     """``internet(homes, mbit=0)``: the emulated internet, removed after the test (also on failure)."""
-    why = netbed.available() or ("" if netbed.shutil.which("iptables") else "iptables is not installed")
-    if why:
-        if os.environ.get("CI"):
-            pytest.fail(f"NAT tests must run in CI: {why}")
-        pytest.skip(why)
+    require_namespaces()
     made = []
 
     def make(homes: int, mbit: float = 0) -> netbed.EmulatedInternet:

@@ -86,6 +86,7 @@ class RoundAverager:
         self.cfg, self.admission, self.relayed, self.faults = cfg, admission, relayed, faults
         self.peer_id = dht.peer_id.to_base58()
         self.feedback = ErrorFeedback(get_codec(cfg.compression)) if cfg.error_feedback else None
+        self._expected: int | None = None  # the group size our averager process was last told (expect_group)
         tensors = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
         # installed before the averager process forks, so that it applies there
         averager_logger = logging.getLogger("hivemind.averaging.averager")
@@ -141,9 +142,12 @@ class RoundAverager:
         # of epoch e+1, where its pseudo-gradient (relative to older weights) would poison everyone's step
         await hivemind_calls.call(self.averager.set_group_bits, format(epoch, "b"),
                                   timeout=self.cfg.request_timeout * 10)
-        # hivemind's leader otherwise gathers followers until the end of the window even when all are in
-        await hivemind_calls.call(self.averager.expect_group, expected if expected and expected >= 2 else None,
-                                  timeout=self.cfg.request_timeout * 10)
+        # hivemind's leader otherwise gathers followers until the end of the window even when all are in (one
+        # call into the averager process per round only while a group size is, or was just, set)
+        size = expected if expected and expected >= 2 else None
+        if size is not None or self._expected is not None:
+            await hivemind_calls.call(self.averager.expect_group, size, timeout=self.cfg.request_timeout * 10)
+            self._expected = size
         control = self.averager.step(
             weight=float(weight),
             gather={"epoch": epoch, "tokens": int(weight), "proof": self.admission.proof(self.peer_id),
