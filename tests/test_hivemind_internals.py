@@ -15,12 +15,15 @@ import asyncio
 import hashlib
 import importlib
 import inspect
+import time
 from pathlib import Path
 
 import hivemind
 import pytest
 import torch
 from hivemind.dht import DHT
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 
 import diloco_peer
@@ -128,6 +131,37 @@ def test_every_private_attribute_we_read_exists_on_real_objects():
     assert not missing, (f"hivemind {hivemind.__version__} lacks {missing} on real objects (our inventory describes "
                          f"hivemind {HIVEMIND_VERSION})")
     torch.testing.assert_close(torch.cat(outputs), torch.arange(6, dtype=torch.float32))  # alone: our own values
+
+
+class _StaleProbe(PseudoGradientAverager):
+    """Our averager, asked in its process how its matchmaking answers a join request that waited ``waited`` s."""
+
+    async def _answer_after(self, waited: float, future: MPFuture) -> None:
+        hivemind_internals.reject_stale_join_requests(self, lambda context: self._join_arrivals.get(id(context)))
+        context = P2PContext(handle_name="rpc_join_group", local_id=self.peer_id, remote_id=self.peer_id)
+        self._join_arrivals[id(context)] = time.monotonic() - waited
+        reply = self._matchmaking._check_reasons_to_reject(averaging_pb2.JoinRequest(), context)
+        future.set_result(averaging_pb2.MessageCode.Name(reply.code))
+
+
+def test_a_leader_turns_away_a_join_request_that_waited_past_half_the_request_timeout():
+    """The request's sender gave up after ``request_timeout``: a group formed with it would miss a member."""
+    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager = None
+    try:
+        averager = _StaleProbe([torch.zeros(4)], dht, prefix="stale", request_timeout=2.0, start=True)
+        answers = {}
+        for waited in (0.0, 0.9, 1.1, 5.0):
+            future = MPFuture()
+            hivemind_internals.send_to_averager_process(averager, "_answer_after", waited, future=future)
+            answers[waited] = future.result(timeout=30)
+    finally:
+        if averager is not None:
+            averager.shutdown()
+        dht.shutdown()
+    # not in a step, hivemind's own check says NOT_LOOKING_FOR_GROUP; a stale request is turned away before it
+    assert answers == {0.0: "NOT_LOOKING_FOR_GROUP", 0.9: "NOT_LOOKING_FOR_GROUP", 1.1: "BAD_EXPIRATION_TIME",
+                       5.0: "BAD_EXPIRATION_TIME"}, answers
 
 
 def _private_uses(path: Path) -> list[str]:

@@ -16,18 +16,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
+import time
 from collections.abc import Callable
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.p2p import P2P, PeerID
+from hivemind.proto import averaging_pb2
 
 from ..swarm.p2pd_internals import HIVEMIND_VERSION, PrivateUse
 
 __all__ = ["HIVEMIND_VERSION", "INVENTORY", "ban_sender", "keeping_our_sigint", "mark_state_updated", "own_input_parts",
-           "p2p_of", "patch_join_requests", "running_group", "send_to_averager_process", "set_target_group_size"]
+           "p2p_of", "patch_join_requests", "reject_stale_join_requests", "running_group", "send_to_averager_process",
+           "set_target_group_size"]
 
 AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
 MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
@@ -37,6 +41,8 @@ CONTAINER = "hivemind.averaging.partition.TensorPartContainer"
 REDUCER = "hivemind.averaging.partition.TensorPartReducer"
 
 _OURS = "pseudo_gradient_averager.PseudoGradientAverager"
+
+logger = logging.getLogger(__name__)
 
 
 def _reads(owner: str, where: str, *names: str) -> tuple[PrivateUse, ...]:
@@ -64,6 +70,10 @@ INVENTORY = (
                ("await_ready", "timeout"), "028dd8b1e9b723d83bf30d357049eea84d9c26b94d318282bd34835dadf39fb7"),
     PrivateUse(MATCHMAKING, "_request_join_group", "patch", "patch_join_requests (per averager instance)",
                ("leader",)),
+    PrivateUse(MATCHMAKING, "_check_reasons_to_reject", "patch",
+               "reject_stale_join_requests (per averager instance): turns away a request that waited too long",
+               ("request", "context")),
+    *_reads(MATCHMAKING, "reject_stale_join_requests", "request_timeout"),
     # a group that is complete starts at once (set_target_group_size)
     *_reads(MATCHMAKING, "set_target_group_size (written, per round)", "target_group_size"),
     PrivateUse(MATCHMAKING, "rpc_join_group", "relies",
@@ -161,8 +171,8 @@ def set_target_group_size(averager: DecentralizedAverager, size: int | None) -> 
     whose join request timed out on its side (a busy leader answered late) closes its stream and looks for
     another group, and hivemind forgets it only once its handler sees the closed stream. The group would
     then wait a whole sender timeout for its parts (seen under load: a 40 s round). So, once a size was set,
-    the matchmaking's ``leader_assemble_group`` waits ``ASSEMBLY_GRACE`` seconds first (it holds the join lock: nobody else
-    joins meanwhile), and a follower that left in the meantime is not in the group.
+    the matchmaking's ``leader_assemble_group`` waits ``ASSEMBLY_GRACE`` seconds first (it holds the join lock:
+    nobody else joins meanwhile), and a follower that left in the meantime is not in the group.
     """
     matchmaking = averager._matchmaking
     matchmaking.target_group_size = size
@@ -200,6 +210,39 @@ def patch_join_requests(averager: DecentralizedAverager, refuses: Callable[[Peer
 
     matchmaking._request_join_group = _request_join_group
     matchmaking.diloco_skips_refused = True
+
+
+def reject_stale_join_requests(averager: DecentralizedAverager, arrived: Callable[[object], float | None]) -> None:
+    """Make a leader turn away a join request that waited so long for the leader that its sender gave up.
+
+    A follower waits ``request_timeout`` for the leader's ACCEPTED, then closes its stream and asks another
+    leader. hivemind's leader answers a request only once it holds its join lock, which it also holds while it
+    asks a leader of its own (up to ``request_timeout``): the answer can come after the follower gave up. Worse,
+    if the leader's matchmaking window has ended meanwhile, it forms its group at once, before it sees the closed
+    stream: a group with a member that is not there (its step fails; the others' round is partial). Seen in CI
+    under load, the last round of an overlapped churn test.
+
+    So a request that has waited over half the ``request_timeout`` when the leader gets to it is turned away
+    (BAD_EXPIRATION_TIME: it expired while it waited for us); the follower, if it is still waiting, asks the
+    next leader. ``arrived(context)`` is the ``time.monotonic()`` at which the request of ``context`` reached us
+    (``None``: unknown, not checked). Idempotent: call it before each step, like ``patch_join_requests``.
+    """
+    matchmaking = averager._matchmaking
+    if getattr(matchmaking, "diloco_rejects_stale", False):
+        return
+    check = matchmaking._check_reasons_to_reject
+    max_wait = matchmaking.request_timeout / 2
+
+    def _check_reasons_to_reject(request, context):
+        since = arrived(context)
+        if since is not None and time.monotonic() - since > max_wait:
+            logger.debug(f"turned away {context.remote_id}: its join request waited {time.monotonic() - since:.2f}s "
+                         f"for us, over {max_wait:.2f}s (it has likely given up)")
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_EXPIRATION_TIME)
+        return check(request, context)
+
+    matchmaking._check_reasons_to_reject = _check_reasons_to_reject
+    matchmaking.diloco_rejects_stale = True
 
 
 # --- one group's all-reduce

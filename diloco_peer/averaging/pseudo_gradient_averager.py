@@ -71,6 +71,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         """(peer id, kind, detail, banned now) for every refused contribution, read by the host process."""
         self.allreduces = 0
         """All-reduces this averager has started (in its process), the current one included."""
+        self._join_arrivals: dict[int, float] = {}
+        """When each join request we are handling (by id of its context) reached us, in its process."""
         super().__init__(averaged_tensors, dht, **kwargs)
 
     # --- who takes part
@@ -105,6 +107,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         # hivemind's matchmaking asks every leader it finds in the DHT; a banned or unadmitted one would take
         # us into its group and we would then refuse to average (the round lost). Ask the next leader instead.
         internals.patch_join_requests(self, self._refuses_leader)
+        internals.reject_stale_join_requests(self, lambda context: self._join_arrivals.get(id(context)))
         return await super()._step(**kwargs)
 
     def expect_group(self, size: int | None) -> None:
@@ -138,8 +141,12 @@ class PseudoGradientAverager(DecentralizedAverager):
                 self._report(context.remote_id, kind, why)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        async for message in super().rpc_join_group(request, context):
-            yield message
+        self._join_arrivals[id(context)] = time.monotonic()  # see internals.reject_stale_join_requests
+        try:
+            async for message in super().rpc_join_group(request, context):
+                yield message
+        finally:
+            self._join_arrivals.pop(id(context), None)
 
     def report_offense(self, peer: str, kind: str, detail: str) -> None:
         """From the host process: count an offense found there (e.g. a corrupt state download) towards a ban."""
