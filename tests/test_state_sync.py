@@ -133,7 +133,8 @@ def test_newcomer_downloads_weights_momentum_and_epoch(peers):
     result = asyncio.run(newcomer.sync.sync(donor.target()))
     assert result.ok, result.error
     assert (result.epoch, newcomer.outer.epoch, result.donor) == (3, 3, donor.id)
-    assert param_sha256(newcomer.outer.params) == param_sha256(donor.outer.params) == newcomer.sync.state_hash
+    assert param_sha256(newcomer.outer.params) == param_sha256(donor.outer.params)
+    assert newcomer.sync.state_hash == donor.sync.state_hash == newcomer.sync._own_hash()
     assert param_sha256(newcomer.outer.momentum_buffers()) == param_sha256(donor.outer.momentum_buffers())
     assert param_sha256(newcomer.outer.model.parameters()) == param_sha256(donor.outer.params)  # the replica too
     payload = 2 * sum(p.numel() * 4 for p in donor.outer.params)
@@ -159,7 +160,7 @@ def test_bad_donors_are_skipped_and_the_next_one_tried(peers):
 
 
 @pytest.mark.parametrize("fault, reason", [
-    ("corrupt_state", "the weights it sent do not match the hash it published"),
+    ("corrupt_state", "the state it sent (weights, momentum, epoch, LR position) does not match the hash it published"),
     ("corrupt_state:nan", "it sent non-finite values"),
     # it publishes epoch 2 and the swarm's hash, but serves its state as epoch 1000
     ("lie_epoch:1000", "it sent epoch 1000, expected the swarm's 2 (>= ours, 0)"),
@@ -173,13 +174,44 @@ def test_a_corrupt_or_lying_donor_is_rejected_with_its_reason_and_the_next_one_u
     result = asyncio.run(newcomer.sync.sync(Target(2, good.sync.state_hash, [bad.id, good.id])))
     assert result.ok and result.donor == good.id and result.attempts == 2, result
     assert result.donor_errors == [f"donor {bad.id[-8:]} rejected: {reason}"]
-    assert len(bad.served) == 1 and param_sha256(newcomer.outer.params) == good.sync.state_hash
+    assert len(bad.served) == 1 and newcomer.sync._own_hash() == good.sync.state_hash
     assert newcomer.outer.epoch == 2
     offenses, deadline = [], time.monotonic() + 10  # counted in the averager process, towards a ban
     while not offenses and time.monotonic() < deadline:
         time.sleep(0.1)
         offenses = newcomer.averager.offenses()
     assert [(o["offender"], o["kind"], o["detail"]) for o in offenses] == [(bad.id, "state", reason)], offenses
+
+
+@pytest.mark.parametrize("poison", ["momentum", "inner_step"])
+def test_a_donor_serving_the_true_weights_with_poisoned_momentum_or_lr_position_is_refused(peers, poison):
+    """An attacker's client (its state provider replaced, not a fault hook) serves the swarm's weights and
+    epoch with momentum x100 (it was accepted before: the newcomer's loss went to 87 against ~2.4), or with
+    another LR position."""
+    good, newcomer, bad = peers(), peers(), peers()
+    good.advance(2)
+    assert asyncio.run(bad.sync.sync(good.target())).ok and bad.sync.state_hash == good.sync.state_hash
+    honest_state = bad.averager.averager.state_provider
+
+    def poisoned_state():
+        metadata, tensors = honest_state()
+        n = len(bad.outer.params)
+        if poison == "momentum":
+            tensors[n:] = [t * 100 for t in tensors[n:]]
+        else:
+            metadata["inner_step"] += 7
+        return metadata, tensors
+
+    bad.averager.averager.state_provider = poisoned_state
+    result = asyncio.run(newcomer.sync.sync(Target(2, good.sync.state_hash, [bad.id])))
+    reason = "the state it sent (weights, momentum, epoch, LR position) does not match the hash it published"
+    assert not result.ok and result.donor_errors == [f"donor {bad.id[-8:]} rejected: {reason}"], result
+    assert newcomer.outer.epoch == 0 and newcomer.sync.state_hash != good.sync.state_hash  # ours untouched
+    offenses, deadline = [], time.monotonic() + 10
+    while not offenses and time.monotonic() < deadline:
+        time.sleep(0.1)
+        offenses = newcomer.averager.offenses()
+    assert [(o["offender"], o["kind"]) for o in offenses] == [(bad.id, "state")], offenses
 
 
 def test_a_donor_that_trained_on_during_the_download_is_no_offense(peers):
@@ -204,7 +236,7 @@ def test_states_that_fail_the_checks_are_refused(peers):
 
     lying = Target(2, "0" * 64, [donor.id])  # the published hash does not match what is sent
     result = asyncio.run(newcomer.sync.sync(lying))
-    assert not result.ok and "do not match the hash" in result.error
+    assert not result.ok and "does not match the hash" in result.error
 
     newcomer.outer.epoch = 5  # the donor's state is older than ours
     result = asyncio.run(newcomer.sync.sync(donor.target()))
@@ -243,7 +275,8 @@ def test_a_newcomer_rejects_a_corrupt_donor_and_syncs_from_an_honest_one(local_s
         return [e for e in local_swarm.events(name) if e["event"] == "serve"]
 
     ids = {name: wait_until(lambda: peer_id(name), f"{name} start") for name in ("honest", "corrupt")}
-    rejected = f"donor {ids['corrupt'][-8:]} rejected: the weights it sent do not match the hash it published"
+    rejected = (f"donor {ids['corrupt'][-8:]} rejected: the state it sent (weights, momentum, epoch, LR position) "
+                f"does not match the hash it published")
 
     # 1. a newcomer in this process, where the donor order can be fixed: the corrupt donor is tried first
     cfg = load_config(None, SETS)

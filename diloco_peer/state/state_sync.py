@@ -1,13 +1,14 @@
 """State sync: a peer that is behind or off the swarm's weights downloads the current state from a peer.
 
-Who needs it: a newcomer, a peer restarted from an old checkpoint, a straggler whose round went on
-without it, and a peer whose weights left the swarm's (a solo step while the others averaged, or a
-reducer that died mid-all-reduce and left its shard un-averaged). All are detected the same way, from
-the signed progress records: each peer publishes its outer ``epoch`` and ``state_hash`` (sha256 of its
-outer weights). The *target* (``swarm_target``) is the swarm's epoch by quorum (``progress.quorum_epoch``:
-the highest epoch a strict majority of the joined peers have reached, never what one peer claims) and,
-at that epoch, the hash most of its voting peers hold (ties: the smallest hash, so every peer picks the
-same one). A peer whose (epoch, hash) differs from the target syncs; peers holding the target serve it.
+Who needs it: a newcomer, a peer restarted from an old checkpoint, a straggler whose round went on without it,
+and a peer whose weights left the swarm's (a solo step while the others averaged, or a reducer that died
+mid-all-reduce and left its shard un-averaged). All are detected the same way, from the signed progress records:
+each peer publishes its outer ``epoch`` and ``state_hash`` (``state_sha256``: one sha256 over everything a donor
+serves: outer weights, Nesterov momentum, epoch and inner LR position). The *target* (``swarm_target``) is the
+swarm's epoch by quorum (``progress.quorum_epoch``: the highest epoch a strict majority of the joined peers have
+reached, never what one peer claims) and, at that epoch, the hash most of its voting peers hold (ties: the
+smallest hash, so every peer picks the same one). A peer whose (epoch, hash) differs from the target syncs;
+peers holding the target serve it.
 
 Known limit of the hash rule: peers that averaged together hold the same hash, so a liar cannot outvote
 them. Right after a failed all-reduce, though, every peer may hold a state of its own; the tie then goes
@@ -18,14 +19,14 @@ replicas apart for good after every failed round.
 What is transferred: outer weights and Nesterov momentum (fp32), the outer epoch and the inner
 LR-schedule position. The inner AdamW moments stay local (they describe this peer's own shard).
 
-Download: donors are the peers that hold the target, in random order (newcomers spread over donors
-instead of all hitting one); each chunk must arrive within ``averaging.sync_timeout`` or the next donor
-is tried, up to ``averaging.sync_attempts`` donors. A state is checked before it replaces ours: same
-config fingerprint, same tensor count and shapes, all values finite, not older than ours, and the
-sha256 of the received weights equals the hash the donor published. Its epoch must be the swarm's (the
-quorum's, not a claim of the donor's): a donor that serves another epoch than the one it published is
-refused too. A donor failing any check is skipped and the next one tried; each failure is reported
-(``SyncResult.donor_errors``).
+Download: donors are the peers that hold the target, in random order (newcomers spread over donors instead of
+all hitting one); each chunk must arrive within ``averaging.sync_timeout`` or the next donor is tried, up to
+``averaging.sync_attempts`` donors. A state is checked before it replaces ours: same config fingerprint, same
+tensor count and shapes, all values finite, not older than ours, and the ``state_sha256`` of what arrived
+(weights, momentum, epoch, LR position) equals the hash the donor published: a donor serving true weights with
+poisoned momentum fails it like one serving corrupt weights. Its epoch must be the swarm's (the quorum's, not a
+claim of the donor's): a donor that serves another epoch than the one it published is refused too. A donor
+failing any check is skipped and the next one tried; each failure is reported (``SyncResult.donor_errors``).
 
 Fault injection (tests only, ``config/faults.py``): ``corrupt_state`` serves weights off by 1e-3 (finite,
 plausible, not what the peer published), ``corrupt_state:nan`` serves NaN weights; ``lie_epoch:N`` serves
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import logging
 import random
 import threading
@@ -54,6 +56,20 @@ from ..training.model import param_sha256
 from ..training.outer_optimizer import OuterOptimizer
 
 logger = logging.getLogger(__name__)
+
+
+def state_sha256(params: list[torch.Tensor], momentum: list[torch.Tensor], epoch: int, inner_step: int) -> str:
+    """The hash a peer publishes of its state: equal iff every part of what a donor serves is bit-identical.
+
+    The momentum is in it: honest peers' buffers are bit-identical too (the same averages, the same step), and
+    a state sync replaces ours with the donor's, so a donor could otherwise poison us through it (momentum x100
+    was accepted before: the newcomer's loss went from ~2.4 to 87). Epoch and LR position are in it for the same
+    reason: every field of a served state is checked against what its holders agree on, or it is not served.
+    """
+    digest = hashlib.sha256(f"epoch={epoch};inner_step={inner_step};".encode())
+    digest.update(param_sha256(params).encode())
+    digest.update(param_sha256(momentum).encode())
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -118,12 +134,16 @@ class StateSync:
         self.inner_steps, self.cfg, self.on_serve, self.faults = inner_steps, cfg, on_serve, faults
         self.lock = threading.Lock()
         """Held while the outer state changes, so that a peer never downloads a half-updated state."""
-        self.state_hash = param_sha256(outer.params)
+        self.state_hash = self._own_hash()
         averager.state_provider = self._current_state
 
+    def _own_hash(self) -> str:
+        outer = self.outer
+        return state_sha256(outer.params, outer.momentum_buffers(), outer.epoch, outer.epoch * self.inner_steps)
+
     def after_outer_step(self) -> None:
-        """Call (under ``lock``) after the outer weights changed: refresh the published hash."""
-        self.state_hash = param_sha256(self.outer.params)
+        """Call (under ``lock``) after the outer state changed: refresh the published hash."""
+        self.state_hash = self._own_hash()
 
     def _current_state(self):
         # hivemind calls this in a thread of ours when a peer downloads our state
@@ -166,8 +186,8 @@ class StateSync:
                 return f"a tensor has shape {tuple(theirs.shape)} {theirs.dtype}, expected {tuple(mine.shape)} float32"
             if not torch.isfinite(theirs).all():
                 return "it sent non-finite values"
-        if param_sha256(tensors[:n]) != target.state_hash:
-            return "the weights it sent do not match the hash it published"
+        if state_sha256(tensors[:n], tensors[n:], metadata["epoch"], metadata.get("inner_step")) != target.state_hash:
+            return "the state it sent (weights, momentum, epoch, LR position) does not match the hash it published"
         return ""
 
     def _trained_on(self, metadata, target: Target) -> bool:
