@@ -258,7 +258,7 @@ class PeerDaemon:
 
     def _finish_round(self, record: RoundRecord) -> None:
         """Log and count a finished round, and write the periodic checkpoint when due."""
-        if record.outcome == "averaged" and self.first_contribution is None:
+        if record.outcome in ("averaged", "partial") and self.first_contribution is None:
             self.first_contribution = time.time() - psutil.Process().create_time()
             record.first_contribution_seconds = self.first_contribution
         self.events.write("round", **record.fields())

@@ -213,6 +213,8 @@ class OuterRounds:
         if result.ok and (why := refuse_update(result.averaged, self.sent, max_ratio)
                           or self.averager.faults.refuses_average(epoch + 1)):
             result.ok, result.error, outcome = False, f"refused the group's average: {why}", "failed"
+        if outcome == "averaged" and result.values_not_averaged:
+            outcome = "partial"  # a reducer failed mid-round: part of our vector kept its own values (healed below)
         if outcome == "failed":
             logger.warning(f"round {epoch + 1}: averaging failed ({result.error}); taking the state the others "
                            f"end this round with (or, if they have none, a solo outer step)")

@@ -28,6 +28,16 @@ def _value(metrics, metric, /, **labels):
     return metrics.registry.get_sample_value(metric, labels)
 
 
+def test_a_partial_round_is_counted_as_its_own_outcome():
+    """Averaged, but a reducer failed mid-round: some values kept their own (the peer then re-syncs)."""
+    m = PeerMetrics()
+    m.observe({**ROUND, "outcome": "partial", "values_not_averaged": 4096})
+    assert _value(m, "diloco_outer_rounds_total", outcome="partial") == 1
+    assert _value(m, "diloco_outer_rounds_total", outcome="averaged") == 0
+    assert _value(m, "diloco_values_not_averaged_total") == 4096
+    assert _value(m, "diloco_allreduce_duration_seconds_count") == 1
+
+
 def test_events_drive_the_metrics():
     m = PeerMetrics()
     assert _value(m, "diloco_outer_rounds_total", outcome="solo") == 0  # labelled counters exist from the start
@@ -45,6 +55,7 @@ def test_events_drive_the_metrics():
     assert _value(m, "diloco_outer_rounds_total", outcome="averaged") == 1
     assert _value(m, "diloco_outer_rounds_total", outcome="solo") == 1
     assert _value(m, "diloco_outer_rounds_total", outcome="failed") == 0
+    assert _value(m, "diloco_outer_rounds_total", outcome="partial") == 0
     assert _value(m, "diloco_outer_epoch") == 5  # the sync moved us to epoch 5
     assert _value(m, "diloco_eval_loss") == 3.5 and _value(m, "diloco_train_loss") == 4.0
     assert _value(m, "diloco_group_size") == 1 and _value(m, "diloco_outer_learning_rate") == 0.7
@@ -70,7 +81,8 @@ def test_events_drive_the_metrics():
     assert _value(m, "diloco_relayed_bytes_total") == 2500
     assert m.swarm_stats() == {"name": "p0", "state": "training", "reach": "relayed", "tokens_per_second": 10240.0,
                                "train_loss": 3.9,
-                               "eval_loss": 3.5, "rounds_averaged": 1, "rounds_solo": 1, "rounds_failed": 0}
+                               "eval_loss": 3.5, "rounds_averaged": 1, "rounds_solo": 1, "rounds_failed": 0,
+                               "rounds_partial": 0}
     m.observe({"event": "stop", "time": 120.0})
     assert _value(m, "diloco_peer_up") == 0 and m.status["status"] == "leaving"
     assert m.swarm_stats()["state"] == "leaving"

@@ -65,6 +65,7 @@ def summarize(records: list[ProgressRecord], now: float | None = None) -> SwarmS
             "tokens_per_second": s.tokens_per_second if s else 0.0, "train_loss": s.train_loss if s else None,
             "eval_loss": s.eval_loss if s else None, "rounds_averaged": s.rounds_averaged if s else 0,
             "rounds_solo": s.rounds_solo if s else 0, "rounds_failed": s.rounds_failed if s else 0,
+            "rounds_partial": s.rounds_partial if s else 0,
             "seen_seconds_ago": max(0.0, now - r.time),
         })
     training = [row for row in summary.rows if row["state"] != "leaving"]
@@ -137,13 +138,13 @@ def format_status(summary: SwarmSummary, run_id: str) -> str:
              f"{summary.tokens_per_second:,.0f} tok/s, mean eval loss {_fmt(summary.eval_loss, '.4f')}"]
     if summary.rows:
         lines.append(f"{'peer':<16} {'id':<10} {'state':<10} {'reach':<13} {'epoch':>6} {'tok/s':>9} {'train':>7} "
-                     f"{'eval':>7} {'avg/solo/fail':>13} {'seen':>6}")
+                     f"{'eval':>7} {'avg/part/solo/fail':>18} {'seen':>6}")
         for row in summary.rows:
-            rounds = f"{row['rounds_averaged']}/{row['rounds_solo']}/{row['rounds_failed']}"
+            rounds = f"{row['rounds_averaged']}/{row['rounds_partial']}/{row['rounds_solo']}/{row['rounds_failed']}"
             lines.append(f"{row['name'][:16]:<16} {row['peer_id'][-8:]:<10} {row['state']:<10} {row['reach']:<13} "
                          f"{row['epoch']:>6} "
                          f"{row['tokens_per_second']:>9,.0f} {_fmt(row['train_loss'], '7.3f'):>7} "
-                         f"{_fmt(row['eval_loss'], '7.3f'):>7} {rounds:>13} {row['seen_seconds_ago']:>5.0f}s")
+                         f"{_fmt(row['eval_loss'], '7.3f'):>7} {rounds:>18} {row['seen_seconds_ago']:>5.0f}s")
     return "\n".join(lines)
 
 

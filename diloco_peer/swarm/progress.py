@@ -74,6 +74,7 @@ class PeerStats(BaseModel):
     rounds_averaged: conint(ge=0, strict=True)
     rounds_solo: conint(ge=0, strict=True)
     rounds_failed: conint(ge=0, strict=True)
+    rounds_partial: conint(ge=0, strict=True) = 0  # a default: records of peers that predate it stay valid
 
 
 class ProgressRecord(BaseModel):  # pydantic v1: hivemind's SchemaValidator speaks v1
