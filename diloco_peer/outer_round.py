@@ -299,7 +299,8 @@ class OuterRounds:
         """Log the contributions our averager refused (metrics count them, by kind, from the event log)."""
         for offense in result.offenses:
             self.events.write("offense", peer=self.name, **offense)
-            if offense["banned"]:
+            if offense["banned"]:  # its records stop counting at once: no vote, no target, no wait for it
+                self.progress.ban(offense["offender"], self.cfg.averaging.ban_seconds)
                 logger.warning(f"banned peer {offense['offender']} for {self.cfg.averaging.ban_seconds:g}s: repeated "
                                f"offenses, the last: {offense['kind']}: {offense['detail']}")
 
@@ -349,6 +350,7 @@ class OuterRounds:
                           error=result.error, donor_errors=result.donor_errors)
         if not result.ok:
             logger.warning(f"state sync failed ({result.error}); will try again at the next round")
+            await self._distrust(target, result)
             return False
         # the inner LR-schedule position: the round after the synced epoch (overlapped: the round after that,
         # which the swarm trains while it averages the synced epoch's)
@@ -362,6 +364,24 @@ class OuterRounds:
         logger.info(f"state sync: now at epoch {self.outer.epoch} ({result.bytes / 1e6:.2f} MB from "
                     f"{result.donor[-8:]} in {result.seconds:.2f}s)")
         return True
+
+    async def _distrust(self, target, result) -> None:
+        """After a failed sync: stop counting the claims that did not hold, and join the swarm the other records
+        describe if we hold its state. A lie (a peer that claims a state it cannot serve) then neither keeps us
+        from joining nor stays the target; every peer finds that out for itself, with one failed sync."""
+        if self.should_stop():
+            return
+        for donor in set(result.rejected):  # served another epoch or state than it publishes: for good
+            self.progress.distrust(donor, target.epoch, target.state_hash)
+        others = [p for p in target.holders if p != self.progress.record.peer_id]
+        if len(others) == 1 and not result.rejected and not result.moved_on:
+            # a claim nobody else confirms and its one holder did not serve: maybe the network, maybe a lie
+            self.progress.distrust(others[0], target.epoch, target.state_hash, 2 * self.cfg.averaging.ready_timeout)
+        if not self.progress.record.joined and not self.sync.needs_sync(swarm_target(
+                await self.progress.swarm_records())):
+            logger.warning(f"state sync: the state of epoch {target.epoch} that {len(others)} peer(s) claim could "
+                           f"not be had; joining the swarm the other peers describe")
+            await self.progress.publish(joined=True)
 
 
 def _cpu_copy(model: torch.nn.Module) -> list[torch.Tensor]:

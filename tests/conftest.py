@@ -91,10 +91,14 @@ class LocalSwarm:
         return address
 
     def start_peer(self, name: str, *sets: str, env: dict | None = None, netns: str = "",
-                   bootstraps: list[str] = (), args: list[str] = ()) -> subprocess.Popen:
+                   bootstraps: list[str] = (), args: list[str] = (), attacks: str = "") -> subprocess.Popen:
+        """A peer; with ``attacks``, a forked client that runs them (``tests/attacker.py``, e.g. "sign_flip:9")."""
         cmd = ["join", *(bootstraps or [self.address]), "--name", name, *args]
         for item in [*FAST, f"run.log_dir={json.dumps(str(self.workdir))}", *sets]:
             cmd += ["--set", item]
+        if attacks:
+            attacker = [sys.executable, str(Path(__file__).with_name("attacker.py")), attacks, "--"]
+            return self.spawn_external(attacker + cmd, f"{name}.log", env)
         return self.spawn(cmd, f"{name}.log", env, netns=netns)
 
     def events(self, name: str) -> list[dict]:

@@ -104,6 +104,8 @@ class SyncResult:
     error: str = ""
     donor_errors: list[str] = field(default_factory=list)
     """Why each donor that was tried failed, in order (a later donor may still have succeeded)."""
+    rejected: list[str] = field(default_factory=list)
+    """Donors (peer ids) whose state failed the checks: what they publish does not hold."""
     moved_on: bool = False
     """A donor sent a later epoch than the target: the swarm stepped on while we looked (ask for a new target)."""
 
@@ -113,6 +115,7 @@ class SyncResult:
         self.bytes += earlier.bytes
         self.attempts += earlier.attempts
         self.donor_errors[:0] = earlier.donor_errors
+        self.rejected[:0] = earlier.rejected
         return self
 
 
@@ -243,6 +246,7 @@ class StateSync:
                         continue
                     # the donor is the peer we dialled (libp2p authenticates it): safe to count towards a ban
                     self.averager.report_offense(donor, "state", problem)
+                    result.rejected.append(donor)
                     continue
                 n = len(self.outer.params)
                 with self.lock:

@@ -17,8 +17,13 @@ Open to volunteers means open to liars: anyone can publish a record that claims 
   the peers that have *joined*: synced to the swarm's state, or found nothing to sync, since they
   started. A newcomer (or a peer restarted from an old checkpoint) knows nothing about the swarm's
   progress, so its epoch is no evidence: if it voted, three newcomers at epoch 0 would outvote two peers
-  at epoch 5 and split the swarm. The price: when the only joined peer is a liar (it founded the swarm,
-  or everyone else is new), newcomers follow it; no count can tell a lone founder from a lone liar.
+  at epoch 5 and split the swarm. When the only joined peer is a liar (it founded the swarm, or everyone
+  else is new), no count can tell it from a lone founder: the state it claims can. So:
+- **A claim that does not hold stops counting.** A peer whose state sync to a claim fails the checks (its
+  donor served another epoch or state than it published) or, when one peer alone claims it, cannot be had
+  from it at all, distrusts that (peer, epoch, hash) claim (``distrust``): the claim no longer votes, is no
+  target, and holds no gate; the peer then joins the swarm the other records describe. A banned peer's
+  records stop counting at once (``ban``: our averager banned it for refused contributions).
 - **Capped expirations** (``ExpirationCap``): a record may expire at most ``MAX_TTL`` seconds from now,
   on every key of the DHT, so nobody can pin a record (a stale lie, a fake peer) for days.
 - **Waits that liars can stretch are bounded**: the round gate by ``ready_timeout`` (a peer that claims
@@ -209,6 +214,10 @@ class SwarmProgress:
         self.record = ProgressRecord(peer_id=peer_id, epoch=0, inner_step=0, tokens=0, ready=False, joined=False,
                                      time=time.time())
         self._heartbeat_task: asyncio.Task | None = None
+        self._banned: dict[str, float] = {}
+        """Peer id -> ``time.monotonic()`` at which its ban ends."""
+        self._distrusted: dict[tuple[str, int, str], float] = {}
+        """(peer id, epoch, state hash) claims whose state did not hold -> when we may try them again."""
         self.stats_provider: Callable[[], dict] | None = None
         """Returns the current ``PeerStats`` fields; called at every publication (the heartbeat included)."""
 
@@ -228,9 +237,28 @@ class SwarmProgress:
             logger.debug("progress record was not stored by any DHT node (alone in the swarm?)")
 
     async def swarm_records(self) -> list[ProgressRecord]:
-        """Live records of all peers, ours as it is now (not as the DHT last saw it)."""
+        """Live records of all peers we trust, ours as it is now (not as the DHT last saw it)."""
         records = await fetch_progress(self.dht, self.run_id)
-        return [r for r in records if r.peer_id != self.record.peer_id] + [self.record]
+        return self.trusted([r for r in records if r.peer_id != self.record.peer_id]) + [self.record]
+
+    def ban(self, peer_id: str, seconds: float) -> None:
+        """Stop counting ``peer_id``'s records for ``seconds`` (our averager banned it): no vote, no wait for it."""
+        self._banned[peer_id] = time.monotonic() + seconds
+
+    def distrust(self, peer_id: str, epoch: int, state_hash: str, seconds: float = float("inf")) -> None:
+        """Stop counting a claim (``peer_id`` holds ``state_hash`` at ``epoch``), for ``seconds``: the state it
+        claims failed verification (for good) or could not be had (for a while: maybe the network). A claim is
+        forgotten once its peer publishes another one."""
+        self._distrusted[(peer_id, epoch, state_hash)] = time.monotonic() + seconds
+
+    def trusted(self, records: list[ProgressRecord]) -> list[ProgressRecord]:
+        """``records`` but those of banned peers and distrusted claims."""
+        now = time.monotonic()
+        self._banned = {peer: until for peer, until in self._banned.items() if until > now}
+        claims = {(r.peer_id, r.epoch, r.state_hash) for r in records}
+        self._distrusted = {c: until for c, until in self._distrusted.items() if until > now and c in claims}
+        return [r for r in records
+                if r.peer_id not in self._banned and (r.peer_id, r.epoch, r.state_hash) not in self._distrusted]
 
     async def wait_for_round_end(self, epoch: int, timeout: float, should_stop=lambda: False,
                                  ready_only: bool = False) -> list[ProgressRecord]:
