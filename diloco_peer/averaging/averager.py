@@ -87,6 +87,7 @@ class RoundAverager:
         self.peer_id = dht.peer_id.to_base58()
         self.feedback = ErrorFeedback(get_codec(cfg.compression)) if cfg.error_feedback else None
         self._expected: int | None = None  # the group size our averager process was last told (expect_group)
+        self._banned: dict[str, float] = {}  # peer id -> when its ban ends (time.monotonic), see banned()
         tensors = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
         # installed before the averager process forks, so that it applies there
         averager_logger = logging.getLogger("hivemind.averaging.averager")
@@ -150,8 +151,9 @@ class RoundAverager:
             self._expected = size
         control = self.averager.step(
             weight=float(weight),
+            # bans: the peers we ban, so that a leader leaves them out before the group forms (group_bans.py)
             gather={"epoch": epoch, "tokens": int(weight), "proof": self.admission.proof(self.peer_id),
-                    "relayed": self.relayed},
+                    "relayed": self.relayed, "bans": self.banned()},
             # deadline for *finding* a group: after the round gate, peers arrive within a second, so one
             # matchmaking period suffices; three leave room for a retry (the all-reduce has its own timeout)
             timeout=self.cfg.matchmaking_time * 3,
@@ -195,6 +197,14 @@ class RoundAverager:
             except queue.Empty:
                 return found
             found.append({"offender": peer, "kind": kind, "detail": detail, "banned": banned})
+            if banned:
+                self._banned[peer] = time.monotonic() + self.cfg.ban_seconds
+
+    def banned(self) -> list[str]:
+        """The peers our averager bans now, as the offenses it reported say (its process enforces them)."""
+        now = time.monotonic()
+        self._banned = {peer: until for peer, until in self._banned.items() if until > now}
+        return sorted(self._banned)
 
     def round_failed(self) -> None:
         """Our pseudo-gradient of the last ``average`` was not applied by anyone: the error-feedback residual

@@ -29,9 +29,9 @@ from hivemind.proto import averaging_pb2
 
 from ..swarm.p2pd_internals import HIVEMIND_VERSION, PrivateUse
 
-__all__ = ["HIVEMIND_VERSION", "INVENTORY", "ban_sender", "keeping_our_sigint", "mark_state_updated", "own_input_parts",
-           "p2p_of", "patch_join_requests", "reject_stale_join_requests", "running_group", "send_to_averager_process",
-           "set_target_group_size"]
+__all__ = ["HIVEMIND_VERSION", "INVENTORY", "ban_sender", "keeping_our_sigint", "mark_state_updated",
+           "own_input_parts", "leave_out_before_assembly", "p2p_of", "patch_join_requests",
+           "reject_stale_join_requests", "running_group", "send_to_averager_process", "set_target_group_size"]
 
 AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
 MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
@@ -74,6 +74,9 @@ INVENTORY = (
                "reject_stale_join_requests (per averager instance): turns away a request that waited too long",
                ("request", "context")),
     *_reads(MATCHMAKING, "reject_stale_join_requests", "request_timeout"),
+    PrivateUse(MATCHMAKING, "leader_assemble_group", "patch",
+               "leave_out_before_assembly (per averager instance): drops followers before the group forms", ()),
+    *_reads(MATCHMAKING, "leave_out_before_assembly", "current_followers"),
     # a group that is complete starts at once (set_target_group_size)
     *_reads(MATCHMAKING, "set_target_group_size (written, per round)", "target_group_size"),
     PrivateUse(MATCHMAKING, "rpc_join_group", "relies",
@@ -243,6 +246,28 @@ def reject_stale_join_requests(averager: DecentralizedAverager, arrived: Callabl
 
     matchmaking._check_reasons_to_reject = _check_reasons_to_reject
     matchmaking.diloco_rejects_stale = True
+
+
+def leave_out_before_assembly(averager: DecentralizedAverager, leave_out: Callable[[dict], list[PeerID]]) -> None:
+    """Make a group this averager leads form without the followers ``leave_out`` names.
+
+    ``leave_out(requests)`` gets the followers in (``{peer id: JoinRequest}``, hivemind's ``current_followers``,
+    whose ``gather`` holds each one's gather data) right before the leader forms the group, and returns those
+    to drop. A dropped follower is told GROUP_DISBANDED by hivemind's ``rpc_join_group`` (it is not in the
+    group) and looks for another. Idempotent: call it before each step.
+    """
+    matchmaking = averager._matchmaking
+    if getattr(matchmaking, "diloco_leaves_out", False):
+        return
+    assemble = matchmaking.leader_assemble_group
+
+    async def leader_assemble_group():
+        for peer in leave_out(dict(matchmaking.current_followers)):
+            matchmaking.current_followers.pop(peer, None)
+        return await assemble()
+
+    matchmaking.leader_assemble_group = leader_assemble_group
+    matchmaking.diloco_leaves_out = True
 
 
 # --- one group's all-reduce

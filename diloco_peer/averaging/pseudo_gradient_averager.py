@@ -41,6 +41,7 @@ from ..swarm.admission import Admission
 from . import hivemind_internals as internals
 from .allreduce import FAILED_VALUES, TRANSFER_US, ExactAllReduceRunner
 from .compression import deserialize
+from .group_bans import left_out
 from .robust_aggregation import BanList, Limits, capped_bandwidths
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,24 @@ class PseudoGradientAverager(DecentralizedAverager):
         # us into its group and we would then refuse to average (the round lost). Ask the next leader instead.
         internals.patch_join_requests(self, self._refuses_leader)
         internals.reject_stale_join_requests(self, lambda context: self._join_arrivals.get(id(context)))
+        internals.leave_out_before_assembly(self, self._banned_by_members)
         return await super()._step(**kwargs)
+
+    def _banned_by_members(self, requests: dict) -> list[PeerID]:
+        """Followers to leave out of the group we are about to form: those the members ban (``group_bans.py``)."""
+        bans = {self.peer_id: self.bans.banned()}
+        for peer, request in requests.items():
+            try:
+                bans[peer] = set(self.serializer.loads(self.serializer.loads(request.gather)[2]).get("bans", []))
+            except Exception:  # not our gather format: _refuse_group deals with such a member
+                bans[peer] = set()
+        names = {peer: peer.to_base58() for peer in bans}
+        out = left_out({names[p]: banned for p, banned in bans.items()}, leader=names[self.peer_id])
+        if out:
+            logger.info(f"leaving {len(out)} peer(s) out of the group we form, banned by its members: "
+                        f"{', '.join(p[-8:] for p in out)}")
+        by_name = {name: peer for peer, name in names.items()}
+        return [by_name[name] for name in out]
 
     def expect_group(self, size: int | None) -> None:
         """From the host process, before a step: a group we lead starts its all-reduce once ``size`` members (us
@@ -236,16 +254,32 @@ class PseudoGradientAverager(DecentralizedAverager):
         capped = capped_bandwidths([b if r else 0.0 for b, r in zip(bandwidths, reducing)])
         return load_balance_peers(self.total_size, capped, self.allreduce_kwargs["min_vector_size"])
 
-    def _refuse_group(self, group_info, group_id: bytes) -> None:
-        # a leader let in a peer we refuse (or is one): we average with nobody in this group
+    async def _refuse_group(self, group_info, group_id: bytes) -> None:
+        # a leader let in a peer we refuse (or is one; leaders leave out banned peers, see group_bans.py, but one
+        # may not): we average with nobody in this group, and say so at once, so that nobody waits for us
         for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
             kind, why = self._refusal(peer_id, gathered) if peer_id != self.peer_id else ("", "")
             if why:
                 if kind != "banned":
                     self._report(peer_id, kind, why)
                 error = AllreduceException(f"refused to average with this group: {why}")
-                internals.running_group(self, group_id).set_exception(error)  # members waiting get an error now
+                running = internals.running_group(self, group_id)
+                running.set_exception(error)  # members that send us their parts get an error now
+                running.exception()  # retrieved: nobody may ask, and asyncio would log it as lost
+                others = [p for p in group_info.peer_ids if p != self.peer_id]
+                await asyncio.gather(*(self._withdraw_from(p, group_id) for p in others))
                 raise error
+
+    async def _withdraw_from(self, peer_id: PeerID, group_id: bytes) -> None:
+        """Tell ``peer_id`` we send no parts in group ``group_id``: hivemind's reducer drops a sender whose stream
+        opens with anything but a part (here CANCELLED), instead of waiting a sender timeout for it."""
+        try:
+            stub = self.get_stub(internals.p2p_of(self), peer_id, namespace=self.prefix)
+            replies = await stub.rpc_aggregate_part(
+                as_aiter(averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED, group_id=group_id)))
+            await asyncio.wait_for(anext(replies), timeout=5.0)
+        except Exception as e:  # gone, or done already: nothing is waiting for us there
+            logger.debug(f"withdrawing from group at {peer_id}: {e!r}")
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         # hivemind's, changed: our runner, exact averages written (not deltas added), our checks and counters
@@ -254,7 +288,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self.allreduces += 1
         kwargs["peer_fractions"] = await asyncio.get_running_loop().run_in_executor(
             None, self._fair_fractions, group_info)
-        self._refuse_group(group_info, group_id)
+        await self._refuse_group(group_info, group_id)
         p2p = internals.p2p_of(self)
         relayed = frozenset(info.peer_id for info in await p2p.list_peers()
                             if any("p2p-circuit" in str(addr) for addr in info.addrs))

@@ -209,6 +209,10 @@ class BanList:
             return True
         return False
 
+    def banned(self) -> set[str]:
+        """The peers banned now."""
+        return {peer for peer in list(self.banned_until) if self.is_banned(peer)}
+
     def is_banned(self, peer: str) -> bool:
         until = self.banned_until.get(peer)
         if until is None:
