@@ -214,6 +214,28 @@ def test_a_donor_serving_the_true_weights_with_poisoned_momentum_or_lr_position_
     assert [(o["offender"], o["kind"]) for o in offenses] == [(bad.id, "state")], offenses
 
 
+def test_a_donor_that_stalls_is_given_up_on_within_the_sync_timeout_and_the_next_one_used(peers, monkeypatch):
+    """An attacker's client whose state provider hangs (a donor that takes the request, then sends nothing)."""
+    good, newcomer, staller = peers(), peers(), peers()
+    good.advance(2)
+    assert asyncio.run(staller.sync.sync(good.target())).ok and staller.sync.state_hash == good.sync.state_hash
+    honest_state = staller.averager.averager.state_provider
+
+    def stalled_state():
+        time.sleep(staller.sync.cfg.sync_timeout + 2)  # past the downloader's patience, not the test's
+        return honest_state()
+
+    staller.averager.averager.state_provider = stalled_state
+    monkeypatch.setattr(state_sync.random, "shuffle", lambda donors: None)  # the staller is tried first
+    started = time.monotonic()
+    result = asyncio.run(newcomer.sync.sync(Target(2, good.sync.state_hash, [staller.id, good.id])))
+    assert result.ok and result.donor == good.id and result.attempts == 2, result
+    assert len(result.donor_errors) == 1 and result.donor_errors[0].startswith(f"donor {staller.id[-8:]}: ")
+    timeout = newcomer.sync.cfg.sync_timeout
+    assert timeout <= time.monotonic() - started < timeout + 5, result
+    assert newcomer.sync.state_hash == good.sync.state_hash
+
+
 def test_a_donor_that_trained_on_during_the_download_is_no_offense(peers):
     good, newcomer = peers(), peers()
     good.advance(2)
