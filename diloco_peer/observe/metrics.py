@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ROUND_OUTCOMES = ("averaged", "partial", "solo", "failed")
+ROUNDS_HELP = ("Outer rounds by outcome: averaged with a group, partial (averaged, but a reducer failed: some values "
+               "were not; re-synced), solo (nobody else ready), failed (the all-reduce broke or its average was "
+               "refused)")
 TRAFFIC_KINDS = ("pseudo_gradient", "state_sync")
 PHASES = ("compute", "communication", "waiting")
 ALLREDUCE_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -53,10 +56,7 @@ class PeerMetrics:
         self.peer = Info("diloco_peer", "Who this peer is: peer id, name, config fingerprint", registry=r)
         self.tokens = Counter("diloco_tokens", "Training tokens processed by inner steps", registry=r)
         self.inner_steps = Counter("diloco_inner_steps", "Inner optimizer steps taken", registry=r)
-        self.rounds = Counter("diloco_outer_rounds", "Outer rounds by outcome: averaged with a group, partial "
-                              "(averaged, but a reducer failed: some values were not; re-synced), solo (nobody "
-                              "else ready), failed (the all-reduce broke or its average was refused)",
-                              ["outcome"], registry=r)
+        self.rounds = Counter("diloco_outer_rounds", ROUNDS_HELP, ["outcome"], registry=r)
         self.epoch = Gauge("diloco_outer_epoch", "Outer epoch of this peer's weights", registry=r)
         self.train_loss = Gauge("diloco_train_loss", "Mean training loss of the last inner steps", registry=r)
         self.eval_loss = Gauge("diloco_eval_loss", "Held-out loss of the outer weights after the last round",
