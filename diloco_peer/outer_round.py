@@ -374,8 +374,9 @@ class OuterRounds:
         for donor in set(result.rejected):  # served another epoch or state than it publishes: for good
             self.progress.distrust(donor, target.epoch, target.state_hash)
         others = [p for p in target.holders if p != self.progress.record.peer_id]
-        if len(others) == 1 and not result.rejected and not result.moved_on:
-            # a claim nobody else confirms and its one holder did not serve: maybe the network, maybe a lie
+        if not self.progress.record.joined and len(others) == 1 and not result.rejected and not result.moved_on:
+            # a claim nobody else confirms and its one holder did not serve, while we look for the swarm to join:
+            # maybe the network, maybe a lie (once joined, we simply try again at the next round)
             self.progress.distrust(others[0], target.epoch, target.state_hash, 2 * self.cfg.averaging.ready_timeout)
         if not self.progress.record.joined and not self.sync.needs_sync(swarm_target(
                 await self.progress.swarm_records())):
