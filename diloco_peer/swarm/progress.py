@@ -20,10 +20,10 @@ Open to volunteers means open to liars: anyone can publish a record that claims 
   at epoch 5 and split the swarm. When the only joined peer is a liar (it founded the swarm, or everyone
   else is new), no count can tell it from a lone founder: the state it claims can. So:
 - **A claim that does not hold stops counting.** A peer whose state sync to a claim fails the checks (its
-  donor served another epoch or state than it published) or, when one peer alone claims it, cannot be had
-  from it at all, distrusts that (peer, epoch, hash) claim (``distrust``): the claim no longer votes, is no
-  target, and holds no gate; the peer then joins the swarm the other records describe. A banned peer's
-  records stop counting at once (``ban``: our averager banned it for refused contributions).
+  donor served another epoch or state than it published) or, when one peer alone claims it and the peer has
+  not joined yet, cannot be had from it at all, distrusts that (peer, epoch, hash) claim (``distrust``): the
+  claim no longer votes, is no target, and holds no gate; the peer then joins the swarm the other records
+  describe. A banned peer's records stop counting at once (``ban``: our averager banned it).
 - **Capped expirations** (``ExpirationCap``): a record may expire at most ``MAX_TTL`` seconds from now,
   on every key of the DHT, so nobody can pin a record (a stale lie, a fake peer) for days.
 - **Waits that liars can stretch are bounded**: the round gate by ``ready_timeout`` (a peer that claims
