@@ -5,6 +5,9 @@ line and an exit code.
     diloco-peer join /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW... [--config tiny-cpu] [--set inner.lr=3e-4 ...]
     diloco-peer demo --peers 3 --rounds 5 [--config tiny-cpu] [--summary-json out.json] [--churn kill:1@round2]
     diloco-peer simulate --replicas 4 --rounds 10 [--codec int8] [--overlap delayed]
+    diloco-peer prepare corpus/ --out data/corpus [--train-tokenizer 8192]
+    diloco-peer plan --config llama-150m [--link 100mbit] [--peers 4] [--device cpu|cuda] [--json]
+    diloco-peer export checkpoints/alice/epoch-000010.pt --out llama-hf [--config tiny-cpu] [--sample "def "]
 
 Exit codes (``EXIT_CODES``, also in ``--help`` and the README): 0 ok, 1 failed while running, 2 bad input
 (command line, config, address, environment variable), 3 no bootstrap reachable, 130 interrupted. Every
@@ -33,7 +36,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: a second Ctrl+C or signal, or Ctrl+C dur
 EXIT_CODES = f"""exit codes:
   {EXIT_OK}    success
   {EXIT_RUNTIME}    failed while running (a crash, a demo peer that failed, no clean leave within run.shutdown_grace)
-  {EXIT_USAGE}    bad input: command line, config file, --set, address, environment variable, checkpoint, data files
+  {EXIT_USAGE}    bad input: command line, config file, --set, address, environment variable, checkpoint, data files,
+       a config that does not fit this machine's memory (join --no-fit-check joins anyway)
   {EXIT_UNREACHABLE}    no bootstrap peer reachable (within swarm.join_timeout): check the address, or retry later
   {EXIT_INTERRUPTED}  interrupted (a second Ctrl+C or SIGTERM)"""
 
@@ -154,6 +158,8 @@ def _add_join(sub) -> None:
                       help="how others reach this peer (default auto: a bootstrap dials us back to find out)")
     join.add_argument("--relay", action="store_true",
                       help="when directly reachable, relay for peers behind NAT; sets swarm.relay_service")
+    join.add_argument("--no-fit-check", action="store_true",
+                      help="join even if `diloco-peer plan` says the config does not fit this machine's free memory")
 
 
 def _add_demo(sub) -> None:
@@ -204,6 +210,77 @@ def _add_simulate(sub) -> None:
                      help="directory for simulate.json and eval_loss.png (default runs/simulate)")
 
 
+def _add_prepare(sub) -> None:
+    """``prepare``: inputs, output, tokenizer, shard and eval sizes, workers."""
+    prep = sub.add_parser("prepare", help="turn text (.txt, .jsonl, .parquet, a Hugging Face dataset) into token "
+                                          "shards that peers read in place (data.source=\"shards\")")
+    prep.add_argument("inputs", nargs="*", metavar="INPUT",
+                      help="text files or directories of them (.txt: one document each; .jsonl: one per line; "
+                           ".parquet: one per row); with --hf-dataset json|parquet|text, its data files")
+    prep.add_argument("--out", required=True, metavar="DIR",
+                      help="output directory, e.g. data/corpus (an interrupted run there is resumed)")
+    prep.add_argument("--tokenizer", default="bytes", metavar="NAME|PATH",
+                      help="bytes (default), a tokenizer.json, or a Hugging Face tokenizer name (needs internet)")
+    prep.add_argument("--train-tokenizer", type=_STEPS, default=0, metavar="VOCAB_SIZE",
+                      help="first train a byte-level BPE with this many ids on the input, e.g. 8192 (offline)")
+    prep.add_argument("--tokenizer-sample-bytes", type=_COUNT, default=100_000_000, metavar="N",
+                      help="train the tokenizer on the first N characters of the input (default 100000000)")
+    prep.add_argument("--text-field", default="text", metavar="NAME",
+                      help="the text of a .jsonl line, a .parquet row or a dataset row (default text)")
+    prep.add_argument("--hf-dataset", default="", metavar="NAME[:CONFIG]",
+                      help="stream a Hugging Face dataset instead, e.g. allenai/c4:en (needs internet)")
+    prep.add_argument("--hf-split", default="train", metavar="SPLIT", help="its split (default train)")
+    prep.add_argument("--shard-tokens", type=_COUNT, default=100_000_000, metavar="N",
+                      help="tokens per training file (default 100000000)")
+    prep.add_argument("--eval-tokens", type=_COUNT, default=1_000_000, metavar="N",
+                      help="tokens of the eval split, taken from the start of the input (default 1000000)")
+    prep.add_argument("--max-tokens", type=_STEPS, default=0, metavar="N",
+                      help="stop after N tokens in all (default 0: the whole input)")
+    prep.add_argument("--workers", type=_COUNT, default=os.cpu_count() or 1, metavar="N",
+                      help="tokenizer processes (default: one per CPU core)")
+
+
+def _link(text: str) -> float:
+    """An argparse type: a link speed as tc writes it (``100mbit``), in bits per second."""
+    from .config import ConfigError
+    from .tools.plan import parse_link
+
+    try:
+        return parse_link(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_plan(sub) -> None:
+    """``plan``: the config, the link and group size of the rounds, the peer's device, the output format."""
+    plan = sub.add_parser("plan", help="what a config needs on this machine (memory, bytes per round) and whether "
+                                       "it fits, before joining")
+    _add_config_args(plan)
+    plan.add_argument("--link", type=_link, default="100mbit", metavar="RATE",
+                      help="each peer's link, each way, in tc's units, e.g. 20mbit, 1gbit (default 100mbit)")
+    plan.add_argument("--peers", type=_bounded(int, 2, what="a whole number >= 2"), default=4, metavar="K",
+                      help="peers in an all-reduce group (default 4)")
+    plan.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                      help="judge the fit for a peer training there (default: as inner.device picks)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON, every buffer with its owner")
+
+
+def _add_export(sub) -> None:
+    """``export``: the checkpoint, the config it was trained with, the output folder, an optional sample."""
+    export = sub.add_parser("export", help="write a checkpoint's outer weights as a Hugging Face Llama "
+                                           "(safetensors, config.json, tokenizer)")
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint file, e.g. checkpoints/alice/"
+                                                                 "epoch-000010.pt, or a peer's checkpoint folder")
+    _add_config_args(export)
+    export.add_argument("--out", required=True, metavar="DIR", help="the folder to write, e.g. llama-hf")
+    export.add_argument("--sample", default=None, metavar="PROMPT",
+                        help="then print a continuation of PROMPT by the exported weights, e.g. --sample 'def '")
+    export.add_argument("--max-new-tokens", type=_COUNT, default=64, metavar="N",
+                        help="tokens --sample generates (default 64)")
+    export.add_argument("--temperature", type=_bounded(float, 0, what="a number >= 0"), default=0.0, metavar="T",
+                        help="--sample's sampling temperature; 0 (default) is greedy")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line: global flags, then one sub-parser per command, in ``--help``'s order."""
     parser = _Parser(prog="diloco-peer", description="Peer-to-peer DiLoCo training on hivemind.", epilog=EXIT_CODES,
@@ -211,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (hivemind included)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_bootstrap, _add_keygen, _add_status, _add_join, _add_demo, _add_plot, _add_simulate):
+    for add in (_add_bootstrap, _add_keygen, _add_status, _add_join, _add_demo, _add_plot, _add_simulate,
+                _add_prepare, _add_plan, _add_export):
         add(sub)
     return parser
 

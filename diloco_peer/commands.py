@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import sys
 from pathlib import Path
 
 
@@ -168,6 +170,11 @@ def join(args: argparse.Namespace) -> int:
         parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
     cfg = load_config(args.config, _join_overrides(args))
     _check_peer(cfg)
+    if not args.no_fit_check:  # before the swarm sees us: a peer that runs out of memory mid-round costs it a round
+        from .config import DEFAULT_CONFIG
+        from .tools.plan import check_fits
+
+        check_fits(cfg, args.config or DEFAULT_CONFIG)
     import uvloop
 
     from .daemon import PeerDaemon
@@ -220,6 +227,58 @@ def plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def prepare(args: argparse.Namespace) -> int:
+    """``diloco-peer prepare``: text -> token shards + manifest in ``--out`` (``training/prepare.py``)."""
+    from .config import ConfigError
+
+    if not args.inputs and not args.hf_dataset:
+        raise ConfigError("prepare needs INPUT files or directories, or --hf-dataset NAME, e.g. "
+                          "diloco-peer prepare corpus/ --out data/corpus")
+    _check_can_create(args.out, "--out", directory=True)
+    from .training.prepare import PrepareJob
+    from .training.prepare import prepare as run_prepare
+
+    job = PrepareJob(inputs=tuple(args.inputs), out=args.out, tokenizer=args.tokenizer,
+                     train_tokenizer=args.train_tokenizer, tokenizer_sample_bytes=args.tokenizer_sample_bytes,
+                     text_field=args.text_field, hf_dataset=args.hf_dataset, hf_split=args.hf_split,
+                     shard_tokens=args.shard_tokens, eval_tokens=args.eval_tokens, max_tokens=args.max_tokens,
+                     workers=args.workers)
+    try:
+        manifest = run_prepare(job)
+    except KeyboardInterrupt:
+        print(f"prepare interrupted: the files listed in {args.out}/manifest.json are complete; the same "
+              f"command again goes on from there", file=sys.stderr)
+        raise
+    train = sum(entry["tokens"] for entry in manifest["train"])
+    print(f"{args.out}: {len(manifest['train'])} training files, {train:,} tokens ({manifest['dtype']}), eval "
+          f"split {manifest['eval']['tokens']:,} tokens, tokenizer {manifest['tokenizer']} "
+          f"({manifest['vocab_size']} ids)")
+    print(f"train on it with: --set data.source=shards --set data.shards_dir={shlex.quote(args.out)} "
+          f"--set model.vocab_size={manifest['vocab_size']}")
+    return 0
+
+
+def plan(args: argparse.Namespace) -> int:
+    """``diloco-peer plan``: what the config needs on this machine, and whether it fits (``tools/plan.py``)."""
+    from .config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    from .tools.plan import run_plan
+
+    return run_plan(args, cfg)
+
+
+def export(args: argparse.Namespace) -> int:
+    """``diloco-peer export``: a checkpoint's outer weights as a Hugging Face Llama (``tools/export.py``)."""
+    from .config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    _check_can_create(args.out, "--out", directory=True)
+    from .tools.export import run_export
+
+    return run_export(args, cfg)
+
+
 COMMANDS = {"bootstrap": bootstrap, "keygen": keygen, "status": status, "join": join, "demo": demo,
-            "simulate": simulate, "plot": plot}
+            "simulate": simulate, "plot": plot, "prepare": prepare, "plan": plan, "export": export}
 """Each command's name (``cli.build_parser``'s sub-parsers) -> what runs it."""

@@ -91,24 +91,39 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["stdlib", "files", "hf"] = "stdlib"
-    """stdlib: the Python standard library's own source (on every machine, no download);
-    files: local .txt/.jsonl files in ``paths``; hf: a Hugging Face dataset (needs internet)."""
+    source: Literal["stdlib", "files", "shards", "hf"] = "stdlib"
+    """stdlib: the Python standard library's own source (on every machine, no download); files: local
+    .txt/.jsonl/.parquet files in ``paths``, read whole; shards: a directory written by ``diloco-peer prepare``
+    (``shards_dir``), read in place, any size; hf: a Hugging Face dataset, streamed (needs internet for the hub)."""
     paths: list[str] = []
-    """For source="files": text files (each is one document) or JSONL files (``text_field`` of each line)."""
+    """For source="files": text files (each is one document), JSONL files (``text_field`` of each line) or
+    Parquet files (the ``text_field`` column). For source="hf" with a local builder (``hf_dataset="json"``,
+    ``"parquet"``, ``"text"``): its data files."""
+    shards_dir: str = ""
+    """For source="shards": the ``--out`` directory of ``diloco-peer prepare``. Its manifest names the tokenizer
+    (``tokenizer`` is not used) and vocab size; its eval split is the eval split."""
     text_field: str = "text"
     hf_dataset: str = ""
-    """For source="hf": ``name`` or ``name:config``, e.g. ``allenai/c4:en``."""
+    """For source="hf": ``name`` or ``name:config`` on the hub, e.g. ``allenai/c4:en``, or a local builder."""
     hf_split: str = "train"
     tokenizer: str = "bytes"
-    """``bytes`` (UTF-8 bytes, vocab 256, needs no download) or a Hugging Face tokenizer name."""
+    """``bytes`` (UTF-8 bytes, vocab 256, needs no download), a local ``tokenizer.json`` (e.g. from ``diloco-peer
+    prepare --train-tokenizer``; no internet), or a Hugging Face tokenizer name (needs internet)."""
     max_bytes: int = Field(4_000_000, ge=10_000)
     """Read at most this much text (stdlib/files); keeps start-up fast on small machines."""
     seq_len: int = Field(128, ge=8)
     eval_fraction: float = Field(0.02, gt=0, lt=0.5)
-    """Share of the text held out for the eval loss: every (1/eval_fraction)-th 2 KB block, the same on every peer."""
+    """stdlib/files: share of the text held out for the eval loss: every (1/eval_fraction)-th 2 KB block, the
+    same on every peer."""
+    eval_tokens: int = Field(1_000_000, ge=16)
+    """For source="hf": the eval split is the first this many tokens of the stream (the same on every peer; their
+    documents are never trained on)."""
+    buffer_tokens: int = Field(4_194_304, ge=32)
+    """For source="hf": tokens of this peer's part of the stream held at a time; batches are random windows of it,
+    and the next ones replace it once as many tokens were drawn as it holds."""
     eval_batches: int = Field(4, ge=1)
     num_shards: int = Field(64, ge=1)
+    """The training data is dealt into this many shards; each peer reads one."""
     shard: int = Field(-1, ge=-1)
     """Which training shard this peer reads; -1 derives it from the peer id (stable per identity)."""
     seed: int = 0
@@ -309,12 +324,15 @@ class PeerConfig(_Section):
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
-        if self.data.tokenizer == "bytes" and self.model.vocab_size < 256:
+        if self.data.tokenizer == "bytes" and self.data.source != "shards" and self.model.vocab_size < 256:
             raise ValueError(f"tokenizer 'bytes' needs model.vocab_size >= 256, got {self.model.vocab_size}")
         if self.data.source == "files" and not self.data.paths:
             raise ValueError('data.source="files" needs data.paths, e.g. --set data.paths=["corpus.txt"]')
         if self.data.source == "hf" and not self.data.hf_dataset:
             raise ValueError('data.source="hf" needs data.hf_dataset, e.g. --set data.hf_dataset="allenai/c4:en"')
+        if self.data.source == "shards" and not self.data.shards_dir:
+            raise ValueError('data.source="shards" needs data.shards_dir (the --out of diloco-peer prepare), '
+                             'e.g. --set data.shards_dir="data/corpus"')
         return self
 
     def fingerprint(self) -> str:

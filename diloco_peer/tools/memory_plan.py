@@ -1,0 +1,304 @@
+"""What a peer holds in memory, buffer by buffer: the one table behind ``diloco-peer plan`` and ``join``'s check.
+
+    shape = ModelShape.from_config(cfg.model)          # built on the meta device: nothing is allocated
+    table = buffers(cfg, shape)                        # one Buffer per allocation, with the code that owns it
+    need = peaks(table, overlapped=False)              # {CPU: bytes, GPU_HOST: bytes, GPU: bytes}
+
+Every row names the function that allocates it (``owner``). When a change to the code adds, removes or
+shrinks a copy of the model, change its row here: nothing else in ``plan`` knows where bytes go.
+``tests/test_plan.py`` holds the activation formulas to the tensors autograd really saves, and the codec
+sizes to what the codecs really encode; the rest is checked by reading the owners, and the whole against
+measured peers (``RUNTIME_HOST_BYTES`` below; the numbers are in docs/cli.md, section plan).
+
+Three columns: the host memory of a peer that trains on its CPU (``CPU``), and of one that trains on a
+GPU, host (``GPU_HOST``) and device (``GPU``). A row belongs to a *phase*; ``concurrent`` says which
+phases can be live at the same moment, and a process's peak is what it always holds plus the worst such
+moment. A peer is two processes that matter: the peer's own and hivemind's averager process. Memory a
+process frees stays with it (glibc keeps freed heap for reuse), so the averager's high-water mark is still
+held while the peer process trains: the peak of the peer is the sum of the two processes' peaks.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from dataclasses import dataclass
+
+from ..config import AveragingConfig, ConfigError, DataConfig, ModelConfig, PeerConfig
+
+CPU, GPU_HOST, GPU = "cpu", "gpu_host", "gpu"
+PEER, AVERAGER = "peer", "averager"
+"""The processes: the peer's own (training, rounds, checkpoints) and hivemind's averager, forked from it."""
+COLUMNS = {CPU: "CPU peer, RAM", GPU_HOST: "GPU peer, RAM", GPU: "GPU peer, GPU"}
+FP32 = 4
+
+RUNTIME_HOST_BYTES = 520 * 2**20
+"""Python, torch and hivemind in the peer process, its DHT and averager processes, p2pd, torch's shared-memory
+manager: the proportional set size (shared pages counted once) of a tiny-cpu peer's process tree at its peak
+(573 MiB, measured on Linux with torch 2.13 CPU, 2 peers averaging) less the rows of this table for it (~60 MiB)."""
+CUDA_CONTEXT_BYTES = 600 * 2**20
+"""The CUDA context and kernels torch loads on the GPU before the first tensor (~0.5-0.7 GiB, by GPU)."""
+LOSS_TRANSIENT_PER_VOCAB = 8
+"""Bytes per token and vocabulary entry live around the loss: the fp32 logits' gradient while the saved
+log-softmax is still held (``F.cross_entropy`` in ``LlamaModel.forward``)."""
+
+PHASES = {
+    "resident": "always held",
+    "start": "building the replica, before training",
+    "step": "forward + backward of a micro-batch",
+    "optimizer": "the inner AdamW step",
+    "allreduce": "averaging a round",
+    "conclude": "applying an overlapped round's average",
+    "checkpoint": "a checkpoint being written (background thread)",
+    "serve": "another peer downloading our state",
+    "sync": "downloading the swarm's state",
+}
+
+
+def concurrent(overlapped: bool) -> list[tuple[str, ...]]:
+    """The sets of phases that can be live at the same moment. Checkpoint writes and state serving run in
+    threads of their own, beside training; a blocking round's all-reduce waits for no training, an
+    overlapped one runs during the next round's steps."""
+    beside = ("checkpoint", "serve")
+    train = ("allreduce",) if overlapped else ()
+    return [("start",), ("step", *beside, *train), ("optimizer", *beside, *train), ("allreduce", "serve"),
+            ("conclude", "allreduce", "serve") if overlapped else ("allreduce",), ("sync", "checkpoint")]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a model, read from one built on the meta device: no memory is allocated, and one layer is
+    built, then counted ``num_layers`` times (the layers are alike), so that any size plans at once."""
+
+    tensors: tuple[tuple[int, int], ...]
+    """(values, count): the parameter tensors by size, each of a layer's with count ``num_layers``, the others 1:
+    what the averager, the codecs (blocks of a tensor) and state sync see."""
+    linear_weights: int
+    """Values in every ``nn.Linear`` weight, a tied lm_head included: what bf16 autocast copies."""
+
+    @property
+    def parameters(self) -> int:
+        """Distinct parameters (a tied lm_head counts once), in values: what is averaged and synced."""
+        return sum(numel * count for numel, count in self.tensors)
+
+    @property
+    def count(self) -> int:
+        return sum(count for _, count in self.tensors)
+
+    @property
+    def largest(self) -> int:
+        return max(numel for numel, _ in self.tensors)
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> ModelShape:
+        import torch
+
+        from ..training.model import LlamaModel
+
+        try:
+            with torch.device("meta"):
+                model = LlamaModel(cfg.model_copy(update={"num_layers": 1}))
+        except (RuntimeError, OverflowError) as e:  # more values than torch can count
+            raise ConfigError(f"the [model] section is too large to build ({type(e).__name__}): make it "
+                              f"smaller") from None
+        layers = cfg.num_layers
+        runs = [(p.numel(), layers if name.startswith("blocks.") else 1) for name, p in model.named_parameters()]
+        linear = sum(m.weight.numel() * (layers if name.startswith("blocks.") else 1)
+                     for name, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+        return cls(tuple(runs), linear)
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One allocation of a running peer: bytes per column (absent: none there)."""
+
+    name: str
+    owner: str
+    """The function that allocates it: where to look when the number is in doubt."""
+    phase: str
+    bytes: dict[str, int]
+    process: str = PEER
+
+
+def activation_bytes(cfg: PeerConfig, autocast: bool) -> int:
+    """Bytes autograd saves for backward over one micro-batch (``inner.batch_size x data.seq_len`` tokens),
+    plus the loss's transient (``LOSS_TRANSIENT_PER_VOCAB``), as ``LlamaModel.forward`` computes.
+
+    Per token and layer, fp32: the two RMSNorms keep input, 1/rms, normed and output (3h + 1 each); SDPA
+    keeps q, k, v (k and v after the GQA repeat), its output (4h) and one logsumexp per head; o_proj its
+    reshaped input (h); SwiGLU gate, silu(gate), up and their product (4f). Under bf16 autocast the
+    projections' outputs are bf16 and each projection keeps a bf16 copy of its input (5 per layer), while
+    the norms stay fp32. After the layers: the final norm, lm_head's input, the log-softmax (fp32, V per
+    token) and the token ids. Checked against the tensors autograd saves (tests/test_plan.py).
+    """
+    m = cfg.model
+    h, f, heads, vocab = m.hidden_size, m.ffn_hidden_size, m.num_heads, m.vocab_size
+    tokens = cfg.inner.batch_size * cfg.data.seq_len
+    if autocast:
+        per_layer, rest = 36 * h + 8 * f + 4 * heads + 8, 10 * h + 4 * vocab + 20
+    else:
+        per_layer, rest = 44 * h + 16 * f + 4 * heads + 8, 12 * h + 4 * vocab + 20
+    return tokens * (m.num_layers * per_layer + rest + LOSS_TRANSIENT_PER_VOCAB * vocab)
+
+
+def data_bytes(data: DataConfig, vocab_size: int) -> int:
+    """Token ids a peer's ``Corpus`` holds in memory. stdlib / files: this shard and the eval split, read whole
+    as int64 (at most ``max_bytes`` of text; a byte is a token of the bytes tokenizer, ~4 make one subword
+    token); hf: the stream's buffer, twice while it is refilled, and its eval head (``streaming.TokenStream``);
+    shards: memory-mapped files, in the page cache, which the kernel can take back (not counted)."""
+    if data.source == "shards":
+        return 0
+    width = 1 if vocab_size <= 256 else 2 if vocab_size <= 2**16 else 4  # ``tokenizer.Tokenizer.dtype``
+    if data.source == "hf":
+        return width * (2 * data.buffer_tokens + data.eval_tokens)
+    tokens = data.max_bytes * (1 / data.num_shards + data.eval_fraction)
+    return int(8 * tokens / (1 if data.tokenizer == "bytes" else 4))
+
+
+def codec_bytes(name: str, tensors: typing.Iterable[tuple[int, int]]) -> int:
+    """Bytes of one pseudo-gradient in codec ``name`` (``averaging/compression.py``), given (values, count) per run
+    of tensors (``ModelShape.tensors``): fp32 4 per value, fp16 and bf16 2, int8 1 and int4 one half (two per
+    byte), both plus one fp32 scale per block of 1024 values of a tensor."""
+    total = 0
+    for n, count in tensors:
+        blocks = math.ceil(n / 1024)
+        total += count * {"none": 4 * n, "fp16": 2 * n, "bf16": 2 * n, "int8": n + 4 * blocks,
+                          "int4": (n + 1) // 2 + 4 * blocks}[name]
+    return total
+
+
+CODECS = typing.get_args(AveragingConfig.model_fields["compression"].annotation)
+"""The codec names ``averaging.compression`` takes (the schema's, so that plan never misses a new one)."""
+
+
+def _row(name: str, owner: str, phase: str, process: str = PEER, **columns: int) -> Buffer:
+    return Buffer(name, owner, phase, {column: size for column, size in columns.items() if size}, process)
+
+
+def _training_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
+    """The replica, its gradients and inner optimizer, activations, and the data (``training/``)."""
+    p, largest = shape.parameters * FP32, shape.largest * FP32
+    gpu_autocast = cfg.inner.precision != "fp32"  # precision auto takes bf16 on a GPU that has it
+    cpu_autocast = cfg.inner.precision == "bf16"
+    data = cfg.data
+    return [
+        _row("fp32 weights (replica)", "training/model.py build_model; Trainer.__init__ moves it", "resident",
+             cpu=p, gpu=p),
+        _row("replica built on the CPU first", "daemon.PeerDaemon._start: build_model, then Trainer.__init__ .to()",
+             "start", gpu_host=p),
+        _row("AdamW moments (exp_avg, exp_avg_sq)", "training/trainer.py Trainer.__init__ (torch.optim.AdamW)",
+             "resident", cpu=2 * p, gpu=2 * p),
+        _row("gradients", "training/trainer.py Trainer.train_steps: loss.backward()", "step", cpu=p, gpu=p),
+        _row("gradients (during the AdamW step)", "training/trainer.py Trainer.train_steps: optimizer.step()",
+             "optimizer", cpu=p, gpu=p),
+        # on the CPU AdamW runs tensor by tensor (no foreach/fused): its temporaries are one tensor's size
+        _row("AdamW temporaries (CPU: per tensor)", "torch.optim.AdamW (single-tensor on CPU, fused on CUDA)",
+             "optimizer", cpu=2 * largest),
+        _row(f"activations ({cfg.inner.batch_size}x{data.seq_len} tokens per micro-batch)",
+             "training/model.py LlamaModel.forward (autograd's saved tensors)", "step",
+             cpu=activation_bytes(cfg, cpu_autocast), gpu=activation_bytes(cfg, gpu_autocast)),
+        _row("bf16 copies of linear weights (autocast)", "torch.autocast in Trainer.train_steps", "step",
+             cpu=2 * shape.linear_weights if cpu_autocast else 0, gpu=2 * shape.linear_weights if gpu_autocast else 0),
+        _row("token ids held (training, eval)", "training/data.py Corpus.__init__", "resident",
+             cpu=data_bytes(data, cfg.model.vocab_size), gpu_host=data_bytes(data, cfg.model.vocab_size)),
+        _row("runtime (Python, torch, hivemind processes, p2pd)", "measured (RUNTIME_HOST_BYTES)",
+             "resident", cpu=RUNTIME_HOST_BYTES, gpu_host=RUNTIME_HOST_BYTES),
+        _row("CUDA context", "torch (CUDA_CONTEXT_BYTES)", "resident", gpu=CUDA_CONTEXT_BYTES),
+    ]
+
+
+def _round_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
+    """The outer optimizer, the pseudo-gradient and the round's result in the peer process
+    (``training/outer_optimizer.py``, ``outer_round.py``, ``averaging/averager.py``), on the host for both kinds
+    of peer."""
+    p = shape.parameters * FP32
+    overlapped = cfg.outer.overlap != "blocking"
+    feedback = cfg.averaging.error_feedback
+    rows = [
+        _row("outer weights (fp32)", "training/outer_optimizer.py OuterOptimizer.__init__", "resident",
+             cpu=p, gpu_host=p),
+        _row("outer Nesterov momentum", "training/outer_optimizer.py OuterOptimizer.step (SGD momentum_buffer)",
+             "resident", cpu=p, gpu_host=p),
+        _row("averager's buffers (shared memory, counted once)",
+             "averaging/averager.py RoundAverager.__init__; hivemind DecentralizedAverager (share_memory_)",
+             "resident", cpu=p, gpu_host=p),
+        _row("last pseudo-gradient, kept for a solo step", "OuterOptimizer.pseudo_gradient -> outer_round.py "
+             "OuterRounds._launch (self.sent)", "resident", cpu=p, gpu_host=p),
+        _row("averaged result", "averaging/averager.py RoundAverager.average (clone of the shared buffers)",
+             "allreduce", cpu=p, gpu_host=p),
+    ]
+    if feedback:
+        rows += [_row("error-feedback residual", "averaging/compression.py ErrorFeedback.roundtrip", "resident",
+                      cpu=p, gpu_host=p),
+                 _row("error feedback: old residual, corrected", "ErrorFeedback.roundtrip",
+                      "allreduce", cpu=2 * p, gpu_host=2 * p)]
+    if overlapped:
+        rows += [_row("replica at the round's start (overlap)", "outer_round.py OuterRounds._round (_cpu_copy)",
+                      "resident", cpu=p, gpu_host=p),
+                 _row("unsent progress, eager step, eval copy", "outer_round.py _progress_since, "
+                      "OuterOptimizer.lookahead, OuterRounds._evaluate_outer", "conclude", cpu=3 * p, gpu_host=3 * p)]
+    return rows
+
+
+def _state_rows(shape: ModelShape) -> list[Buffer]:
+    """Checkpoints and state sync in the peer process (``state/``): copies taken while a write or a transfer runs."""
+    p, largest = shape.parameters * FP32, shape.largest * FP32
+    return [
+        _row("checkpoint copy: outer, momentum, AdamW", "state/checkpoint.py capture (written by "
+             "CheckpointManager._write in a thread)", "checkpoint", cpu=4 * p, gpu_host=4 * p),
+        # copies of outer weights and momentum, moved to shared memory when they cross to the averager process
+        _row("state served: outer weights + momentum", "state/state_sync.py StateSync._current_state", "serve",
+             cpu=2 * p, gpu_host=2 * p),
+        # the downloaded tensors arrive in shared memory (counted on the averager's side); the momentum is cloned
+        _row("state downloaded: new momentum, hash", "training/outer_optimizer.py OuterOptimizer.load_state; "
+             "StateSync._check", "sync", cpu=p + largest, gpu_host=p + largest),
+    ]
+
+
+def _averager_rows(cfg: PeerConfig, shape: ModelShape, peers: int) -> list[Buffer]:
+    """hivemind's averager process (``averaging/pseudo_gradient_averager.py``): its all-reduce, serving and
+    download buffers, and the pages it shares with the peer process only until the peer rewrites them."""
+    p, largest = shape.parameters * FP32, shape.largest * FP32
+    # parts in flight: hivemind encodes one part ahead per peer it sends to, and decodes one ahead per reply
+    wire = 2 * cfg.averaging.part_size_bytes * peers
+    return [
+        # forked after the replica and outer weights exist (daemon.PeerDaemon._start builds them first): every
+        # page of them that training then rewrites is copied, and the averager keeps the old one
+        _row("averager: forked copies of replica + outer", "averaging/averager.py RoundAverager.__init__ (hivemind "
+             "forks its process)", "resident", AVERAGER, cpu=2 * p, gpu_host=p),
+        _row("averager: own values kept for a retry",
+             "averaging/pseudo_gradient_averager.py PseudoGradientAverager._run_allreduce_inplace_", "allreduce",
+             AVERAGER, cpu=p, gpu_host=p),
+        _row("averager: parts in flight, one tensor's result", "averaging/allreduce.py ExactAllReduceRunner, "
+             "compression.WireCompression; hivemind TensorPartContainer", "allreduce", AVERAGER,
+             cpu=wire + largest, gpu_host=wire + largest),
+        # results are consumed tensor by tensor, in reducer order: averages from faster reducers wait, decoded
+        _row("averager: averages waiting for their turn", "hivemind TensorPartContainer.iterate_output_tensors",
+             "allreduce", AVERAGER, cpu=p * (peers - 1) // peers, gpu_host=p * (peers - 1) // peers),
+        _row("averager: serving, one tensor serialised", "hivemind DecentralizedAverager.rpc_download_state",
+             "serve", AVERAGER, cpu=2 * largest, gpu_host=2 * largest),
+        _row("averager: state downloaded (shared memory)", "averaging/pseudo_gradient_averager.py "
+             "PseudoGradientAverager._download_state_from", "sync", AVERAGER,
+             cpu=2 * p + 3 * largest, gpu_host=2 * p + 3 * largest),
+    ]
+
+
+def buffers(cfg: PeerConfig, shape: ModelShape, peers: int = 8) -> list[Buffer]:
+    """Every buffer a peer running ``cfg`` allocates, sized for ``shape`` and all-reduce groups of ``peers``."""
+    return [*_training_rows(cfg, shape), *_round_rows(cfg, shape), *_state_rows(shape),
+            *_averager_rows(cfg, shape, peers)]
+
+
+def peaks(table: list[Buffer], overlapped: bool) -> dict[str, int]:
+    """Per column, summed over the processes: a process's resident rows plus its largest sum over the phases
+    that can be live together."""
+    result = dict.fromkeys(COLUMNS, 0)
+    for process in {row.process for row in table}:
+        for column in COLUMNS:
+            by_phase: dict[str, int] = {}
+            for row in table:
+                if row.process == process:
+                    by_phase[row.phase] = by_phase.get(row.phase, 0) + row.bytes.get(column, 0)
+            worst = max(sum(by_phase.get(phase, 0) for phase in together) for together in concurrent(overlapped))
+            result[column] += by_phase.get("resident", 0) + worst
+    return result
