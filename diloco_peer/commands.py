@@ -159,6 +159,10 @@ def _check_peer(cfg) -> None:
             found = False
         if not found:
             raise DataError(f"data file {quote(raw)} does not exist: fix data.paths")
+    if cfg.data.source == "shards":  # a missing or half-prepared directory: say so before the swarm sees us
+        from .training.token_shards import load_manifest
+
+        load_manifest(cfg.data.shards_dir)
 
 
 def join(args: argparse.Namespace) -> int:

@@ -62,6 +62,8 @@ BAD_INPUTS = [
         (["join", GOOD_ADDR, "--name", "../../etc/x"], 2, "'../../etc/x' is not a name"),
         (["bootstrap", "--report-every", "nan"], 2, "'nan' is not a number of seconds > 0"),
         (["join"], 2, "BOOTSTRAP_MULTIADDR (see diloco-peer join --help)"),
+        (["join", GOOD_ADDR, "--set", 'data.source="shards"', "--set", 'data.shards_dir="/no/such/shards"'], 2,
+         "data.shards_dir '/no/such/shards' holds no manifest.json"),
 ]
 
 
