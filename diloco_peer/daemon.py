@@ -195,6 +195,10 @@ class PeerDaemon:
             f"{trainer.device}, shard {shard}/{cfg.data.num_shards}, H={cfg.outer.inner_steps}, "
             f"epoch {outer.epoch}, eval loss {eval_loss:.4f}"
         )
+        if cfg.averaging.aggregation == "mean":
+            logger.warning("averaging.aggregation=mean: any update under averaging.max_update_ratio (10x ours) is "
+                           "averaged in (a forked client sending -3x its pseudo-gradient is never refused); for a "
+                           "swarm open to strangers use --set averaging.aggregation=robust (SECURITY.md)")
         self.rounds = OuterRounds(cfg, self.name, trainer=trainer, outer=outer, averager=averager, progress=progress,
                                   sync=sync, events=events, compute=self._compute, should_stop=lambda: self.stopping,
                                   tty=self.tty)

@@ -53,6 +53,13 @@ class Limits:
     robust: bool = False
     min_cosine: float = 0.0
 
+    @classmethod
+    def of(cls, cfg) -> Limits:
+        """The bounds an ``[averaging]`` section (``AveragingConfig``) sets: one place, so that the swarm's
+        averager and ``diloco-peer simulate`` check with the same numbers."""
+        return cls(max_update_ratio=cfg.max_update_ratio, max_weight_ratio=cfg.max_weight_ratio,
+                   robust=cfg.aggregation == "robust", min_cosine=cfg.min_cosine)
+
 
 def _norm(t: torch.Tensor) -> float:
     return float(t.double().norm())

@@ -6,8 +6,8 @@
 It runs exactly what a swarm of K peers computes, built from the same parts (``build_model``,
 ``Corpus`` shard i of K as ``diloco-peer demo`` gives peer i, ``Trainer``, ``OuterOptimizer``):
 every round each replica takes H inner steps from the outer weights, its pseudo-gradient goes
-through the codec, the token-weighted mean goes through the codec again (the reducer's reply), and
-every replica applies the same outer step. The equivalence test runs a real swarm and this with the
+through the codec, the reducers aggregate it part by part as the swarm's do, their replies go through the
+codec again, and every replica applies the same outer step. The equivalence test runs a real swarm and this with the
 same config and checks that the weights after every round agree (tests/test_simulate.py).
 
 Two baselines, at the same number of inner steps:
@@ -21,6 +21,18 @@ trains; at the end of round t+1 the outer step applies the average of round t to
 the replica continues from them plus ``overlap_offset``: ``eager``, the outer step it predicts from its own
 pseudo-gradient of round t+1 (not sent yet); ``delayed`` (DiLoCoX's one-step delay), that progress as it
 is. Blocking mode (the default) waits for the average and restarts every round from the outer weights.
+
+Aggregation is the swarm's own: the pseudo-gradients are cut into the parts hivemind's all-reduce sends
+(``TensorPartContainer``, with ``averaging.part_size_bytes`` and the wire codec's size estimate), replica j
+reduces the j-th of K equal spans (the group's order taken as the replicas' order, bandwidths equal), and
+each part is averaged by ``robust_aggregation.aggregate``, the function the swarm's reducers call, with
+``averaging.aggregation``, ``max_update_ratio``, ``max_weight_ratio`` and ``min_cosine``: in ``mean`` mode the
+token-weighted mean (summed in sender order), in ``robust`` mode the cosine filter against the coordinate-wise
+median, clipping to the median norm and weight. Every contribution the swarm's checks would refuse (a reducer
+refusing a part, a member refusing a reducer's average with ``check_average``, a member refusing the whole
+update with ``refuse_update``) is counted in ``SimRun.refused``: in a swarm each one is an offense against an
+honest peer (two within ``ban_seconds`` ban it) and a round with values left un-averaged. The simulator
+applies the reducers' averages regardless (a refused sender is left out of the rest of that reducer's parts).
 
 Eval loss is measured on the outer weights (in delayed mode they lag one round behind the replicas;
 the last round's average is applied when the run ends, so the final number includes every round).
@@ -39,9 +51,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from hivemind.averaging.partition import TensorPartContainer
 
+from ..averaging.averager import wire_compression
 from ..averaging.compression import ErrorFeedback, get_codec
-from ..config import InnerConfig, PeerConfig
+from ..averaging.robust_aggregation import BadContribution, Limits, aggregate, check_average, refuse_update
+from ..config import AveragingConfig, InnerConfig, PeerConfig
 from ..observe.report import save_figure
 from ..training.data import Corpus
 from ..training.model import build_model
@@ -58,6 +73,9 @@ class SimRun:
     replicas: int
     codec: str = "none"
     overlap: str = "blocking"
+    aggregation: str = "mean"
+    refused: int = 0
+    """Honest contributions the swarm's checks would have refused (offenses; see the module docstring)."""
     tokens: list[int] = field(default_factory=list)
     """Tokens processed by all replicas together, at each eval point."""
     eval_loss: list[float] = field(default_factory=list)
@@ -118,9 +136,10 @@ def _replicas(cfg: PeerConfig, replicas: int, init: dict[str, torch.Tensor] | No
 
 
 def _local_round(trainer: Trainer, outer: OuterOptimizer, fb: ErrorFeedback | None, start: list[torch.Tensor],
-                 wire, overlap: str, steps: int) -> tuple[list[torch.Tensor], int, int]:
-    """One replica's part of a round: ``steps`` inner steps, then its pseudo-gradient as it arrives after
-    crossing the wire; returns it, its encoded size in bytes and the tokens trained on."""
+                 wire, overlap: str, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
+    """One replica's part of a round: ``steps`` inner steps, then its pseudo-gradient as the averager holds it
+    (with error feedback: already through the codec) and as it arrives after crossing the wire; returns both,
+    its encoded size in bytes and the tokens trained on."""
     tokens = trainer.train_steps(steps).tokens
     if overlap == "blocking":
         delta = outer.pseudo_gradient()
@@ -128,15 +147,52 @@ def _local_round(trainer: Trainer, outer: OuterOptimizer, fb: ErrorFeedback | No
         delta = [s - p.detach() for s, p in zip(start, trainer.model.parameters())]
     if fb is not None:
         delta, size = fb.roundtrip(delta)
-    else:
-        delta, size = _roundtrip_all(wire, delta)
-    return delta, size, tokens
+        return delta, delta, size, tokens
+    arrived, size = _roundtrip_all(wire, delta)
+    return delta, arrived, size, tokens
 
 
-def _weighted_mean(sent: list[list[torch.Tensor]], weights: list[int]) -> list[torch.Tensor]:
-    """The replicas' pseudo-gradients averaged by their token counts, summed in a fixed order."""
-    total = float(sum(weights))
-    return [sum(parts[i] * (w / total) for parts, w in zip(sent, weights)) for i in range(len(sent[0]))]
+def _spans(tensors: list[torch.Tensor], reducers: int, codec: str, part_size_bytes: int) -> list[tuple[torch.Tensor]]:
+    """``tensors`` cut into the parts the swarm's all-reduce sends, per reducer (equal shares, in order)."""
+    container = TensorPartContainer(tensors, [1.0] * reducers, wire_compression(codec), part_size_bytes)
+    return [container.get_raw_input_parts(j) for j in range(reducers)]
+
+
+def _refuses(average: torch.Tensor, mine: torch.Tensor, limits: Limits) -> bool:
+    """Whether a member holding ``mine`` refuses a reducer's ``average`` of that part (``check_average``)."""
+    try:
+        check_average(average, mine, limits)
+    except BadContribution:
+        return True
+    return False
+
+
+def _aggregate(own: list[list[torch.Tensor]], sent: list[list[torch.Tensor]], weights: list[int], wire, codec: str,
+               cfg: AveragingConfig) -> tuple[list[torch.Tensor], int]:
+    """The group's average as the swarm's reducers compute it, part by part (see the module docstring), after
+    crossing the wire back; and the number of contributions the swarm's checks would have refused.
+
+    :param own: each replica's pseudo-gradient as its averager holds it (what its checks compare with)
+    :param sent: each replica's pseudo-gradient as the reducers receive it (through the codec)
+    """
+    limits, k = Limits.of(cfg), len(sent)
+    sent_spans = [_spans(s, k, codec, cfg.part_size_bytes) for s in sent]
+    own_spans = [_spans(o, k, codec, cfg.part_size_bytes) for o in own]
+    averaged, refused = [], 0
+    for j in range(k):  # replica j reduces span j: its own part is the reference of the checks
+        dropped: set[int] = set()  # a refused sender is out of the rest of this reducer's parts (ban_sender)
+        for p in range(len(sent_spans[j][j])):
+            parts = {s: (sent_spans[s][j][p], float(weights[s])) for s in range(k) if s not in dropped}
+            result, bad = aggregate(parts, j, limits)
+            dropped |= {s for s, _ in bad}
+            result, _ = wire.roundtrip(result)  # the reducer's reply crosses the wire
+            members = [own_spans[m][j][p] for m in range(k) if m != j]
+            refused += len(bad) + sum(_refuses(result, mine, limits) for mine in members)
+            averaged.append(result.flatten())
+    flat = torch.cat(averaged)
+    average = [t.view_as(s) for t, s in zip(flat.split([s.numel() for s in sent[0]]), sent[0])]
+    refused += sum(bool(refuse_update(average, o, cfg.max_update_ratio)) for o in own)
+    return average, refused
 
 
 def _apply_overlapped(trainers: list[Trainer], outers: list[OuterOptimizer], starts: list[list[torch.Tensor]],
@@ -164,7 +220,9 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
     peers that differ (e.g. batch sizes, so that their pseudo-gradients weigh differently); default ``cfg.inner``."""
     started = time.perf_counter()
     wire = get_codec(codec)
-    run = SimRun(f"diloco-k{replicas}-{codec}-{overlap}", "diloco", replicas, codec, overlap)
+    aggregation = cfg.averaging.aggregation
+    suffix = "" if aggregation == "mean" else f"-{aggregation}"
+    run = SimRun(f"diloco-k{replicas}-{codec}-{overlap}{suffix}", "diloco", replicas, codec, overlap, aggregation)
     trainers, outers, feedback = _replicas(cfg, replicas, init, wire, error_feedback, inner)
     run.tokens.append(0)
     run.eval_loss.append(trainers[0].evaluate())
@@ -172,14 +230,20 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
     tokens = all_bytes = 0
     for rnd in range(1, rounds + 1):
         starts = [[p.detach().clone() for p in t.model.parameters()] for t in trainers]
-        weights, sent = [], []
+        weights, own, sent = [], [], []
         for trainer, outer, fb, start in zip(trainers, outers, feedback, starts):
-            delta, size, trained = _local_round(trainer, outer, fb, start, wire, overlap, cfg.outer.inner_steps)
+            held, delta, size, trained = _local_round(trainer, outer, fb, start, wire, overlap,
+                                                      cfg.outer.inner_steps)
             tokens += trained
             weights.append(trained)
+            own.append(held)
             sent.append(delta)
             all_bytes += _allreduce_bytes(replicas, size)
-        average, _ = _roundtrip_all(wire, _weighted_mean(sent, weights))  # the reducers' reply crosses the wire
+        if replicas == 1:  # nothing to average with
+            average, _ = _roundtrip_all(wire, sent[0])
+        else:
+            average, refused = _aggregate(own, sent, weights, wire, codec, cfg.averaging)
+            run.refused += refused
         if overlap == "blocking":
             for outer in outers:
                 outer.step(average)
@@ -295,8 +359,9 @@ def run_simulate(args, cfg: PeerConfig) -> int:
         else:
             run = run_baseline(cfg, kind, args.replicas, args.rounds, init=init)
         runs.append(run)
+        refused = f", {run.refused} honest contributions refused by the checks" if run.refused else ""
         print(f"simulate: {run.name}: eval loss {run.eval_loss[0]:.4f} -> {run.eval_loss[-1]:.4f} "
-              f"(ppl {run.final_ppl:.3f}) in {run.seconds:.0f}s", flush=True)
+              f"(ppl {run.final_ppl:.3f}) in {run.seconds:.0f}s{refused}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "simulate.json").write_text(json.dumps({"runs": [r.to_dict() for r in runs], "rounds": args.rounds,
                                                    "inner_steps": cfg.outer.inner_steps, "pretrain": args.pretrain},
