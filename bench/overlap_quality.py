@@ -18,7 +18,6 @@ appends the runs to ``--out`` (a JSON list; the study tables of BENCHMARKS.md co
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -28,20 +27,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from results import append_runs, study_arguments  # noqa: E402
+
 from diloco_peer.config import load_config  # noqa: E402
 from diloco_peer.tools.simulate import pretrain, run_diloco  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, default=4, help="K (default 4)")
-    parser.add_argument("--H", type=int, default=10, help="inner steps per round (default 10)")
-    parser.add_argument("--steps", type=int, default=300, help="T, inner steps per run (default 300: 30 rounds)")
-    parser.add_argument("--pretrain", type=int, default=300, help="steps of the shared warm start (default 300)")
-    parser.add_argument("--codecs", default="int8", help="comma-separated (default int8)")
+    study_arguments(parser, Path(__file__).resolve().parent / "overlap_quality.json", codecs="int8")
     parser.add_argument("--modes", default="blocking,eager,delayed", help="comma-separated overlap modes")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "overlap_quality.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     base = [f"outer.inner_steps={args.H}", f"inner.total_steps={args.steps}", "run.threads=1", *args.overrides]
@@ -65,10 +60,7 @@ def main() -> int:
         if ref is not None and r is not ref:
             gap = math.exp(r["final_eval_loss"] - ref["final_eval_loss"]) - 1
             print(f"  {r['codec']} {r['overlap']}: {gap * 100:+.1f}% ppl vs blocking")
-    out = Path(args.out)
-    previous = json.loads(out.read_text()) if out.exists() else []
-    out.write_text(json.dumps(previous + runs, indent=1))
-    print(f"appended {len(runs)} runs to {out}")
+    append_runs(runs, args.out)
     return 0
 
 

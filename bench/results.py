@@ -43,3 +43,23 @@ def save(figures: list[dict], path: Path = RESULTS) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(records, indent=1) + "\n")
     os.replace(tmp, path)
+
+
+def study_arguments(parser, out: Path, codecs: str) -> None:
+    """The arguments every simulator study shares (``overlap_quality.py``, ``robust_quality.py``): K, H, T, the
+    warm start, the codecs, ``--set`` overrides and the JSON file the runs are appended to."""
+    parser.add_argument("--replicas", type=int, default=4, help="K (default 4)")
+    parser.add_argument("--H", type=int, default=10, help="inner steps per round (default 10)")
+    parser.add_argument("--steps", type=int, default=300, help="T, inner steps per run (default 300: 30 rounds)")
+    parser.add_argument("--pretrain", type=int, default=300, help="steps of the shared warm start (default 300)")
+    parser.add_argument("--codecs", default=codecs, help=f"comma-separated (default {codecs})")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", default=str(out))
+
+
+def append_runs(runs: list[dict], out: str | Path) -> None:
+    """Add a study's runs to the JSON list in ``out`` (earlier runs are kept: studies accumulate)."""
+    out = Path(out)
+    previous = json.loads(out.read_text()) if out.exists() else []
+    out.write_text(json.dumps(previous + runs, indent=1))
+    print(f"appended {len(runs)} runs to {out}")

@@ -27,20 +27,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from results import study_arguments  # noqa: E402
+
 from diloco_peer.config import load_config  # noqa: E402
 from diloco_peer.tools.simulate import pretrain, run_diloco  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, default=4, help="K (default 4)")
-    parser.add_argument("--H", type=int, default=10, help="inner steps per round (default 10)")
-    parser.add_argument("--steps", type=int, default=300, help="T, inner steps per run (default 300: 30 rounds)")
-    parser.add_argument("--pretrain", type=int, default=300, help="steps of the shared warm start (default 300)")
-    parser.add_argument("--codecs", default="int8,none", help="comma-separated (default int8,none)")
+    study_arguments(parser, Path(__file__).resolve().parent / "robust_quality.json", codecs="int8,none")
     parser.add_argument("--seeds", default="0", help="comma-separated data seeds (default 0)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "robust_quality.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     base = [f"outer.inner_steps={args.H}", f"inner.total_steps={args.steps}", "run.threads=1", *args.overrides]

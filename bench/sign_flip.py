@@ -19,7 +19,6 @@ peer banned it (an ``offense`` event with ``banned=true``). Prints a table per r
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the swarm harness and the forked client live with the tests
 
 from conftest import LocalSwarm  # noqa: E402
+from results import append_runs  # noqa: E402
 
 HONEST = ("p0", "p1", "p2")
 ATTACKER = "evil"
@@ -136,10 +136,7 @@ def main() -> int:
             clean = clean or run
             show(run, None if run is clean else clean)
             runs.append(run)
-    out = Path(args.out)
-    previous = json.loads(out.read_text()) if out.exists() else []
-    out.write_text(json.dumps(previous + runs, indent=1))
-    print(f"appended {len(runs)} runs to {out}")
+    append_runs(runs, args.out)
     return 0
 
 
