@@ -44,9 +44,9 @@ from .swarm.join import join_swarm, visible_addresses
 from .swarm.progress import SwarmProgress
 from .swarm.reachability import DIRECT, RELAYED, Reach, ReachabilityWatch
 from .training.data import Corpus, shard_for_peer
-from .training.model import build_model, num_parameters
-from .training.outer_optimizer import OuterOptimizer
-from .training.trainer import ComputeThread, Trainer
+from .training.model import build_model, move_parameters, num_parameters, parameter_shapes
+from .training.outer_optimizer import OuterOptimizer, flat_tensors
+from .training.trainer import ComputeThread, Trainer, pick_device
 
 logger = logging.getLogger("diloco_peer")
 
@@ -162,15 +162,12 @@ class PeerDaemon:
         events = self.events = EventLog(Path(cfg.run.log_dir) / f"{self.name}.jsonl", self.metrics.observe)
         self._on_reachability(reach)
         shard = cfg.data.shard if cfg.data.shard >= 0 else shard_for_peer(peer_id, cfg.data.num_shards)
-        corpus = await self.compute(Corpus, cfg.data, shard, cfg.model.vocab_size)
-        model = await self.compute(build_model, cfg.model, cfg.run.seed)
-        trainer = self.trainer = await self.compute(Trainer, model, corpus, cfg.inner)
-        outer = self.outer = await self.compute(OuterOptimizer, trainer.model, cfg.outer)
-        resumed_from = await self._resume()
         faults = Faults.from_environment(os.environ)  # a test seam: no fault at all unless the tests ask
-        admission = load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
-        averager = self.averager = RoundAverager(dht, [p.shape for p in outer.params], cfg.run.run_id,
-                                                 cfg.averaging, admission, relayed=reach.mode == RELAYED, faults=faults)
+        averager, trainer, outer = await self._build(dht, shard, reach, faults)
+        model = trainer.model
+        started = time.perf_counter()
+        resumed_from = await self._resume()
+        resume_seconds = time.perf_counter() - started
         await watch.start(dht, serve=cfg.swarm.relay_service)
         self._watch_children(reaper)
         sync = self.sync = StateSync(averager.averager, outer, cfg.fingerprint(), cfg.outer.inner_steps, cfg.averaging,
@@ -188,7 +185,7 @@ class PeerDaemon:
             "start", peer=self.name, peer_id=peer_id, addresses=visible_addresses(dht), shard=shard,
             parameters=num_parameters(model), device=str(trainer.device), fingerprint=cfg.fingerprint(),
             eval_loss=eval_loss, param_sha256=sync.state_hash, pid=os.getpid(), epoch=outer.epoch,
-            resumed_from=resumed_from,
+            resumed_from=resumed_from, resume_seconds=resume_seconds if resumed_from else None,
         )
         logger.info(
             f"{self.name} ({peer_id}) joined run '{cfg.run.run_id}': {num_parameters(model) / 1e6:.2f}M params on "
@@ -203,6 +200,32 @@ class PeerDaemon:
                                   sync=sync, events=events, compute=self._compute, should_stop=lambda: self.stopping,
                                   tty=self.tty)
         return self.rounds
+
+    async def _build(self, dht, shard: int, reach: Reach, faults: Faults) -> tuple[RoundAverager, Trainer,
+                                                                                OuterOptimizer]:
+        """The averager, the replica and its optimizers, in the order that keeps memory down: the averager process
+        is forked first, while this process holds no model (a fork shares our pages copy-on-write, and every
+        page the training writes to afterwards would stay behind in the averager process as its own copy:
+        ~4 bytes per parameter for each model-sized buffer that existed at the fork)."""
+        cfg = self.cfg
+        admission = load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
+        shapes = parameter_shapes(cfg.model)
+        # blocking rounds on a CPU: the replica lives in the averager's input buffer. It is free during the round
+        # (reloaded from the outer weights after it), so the pseudo-gradient takes its place: no buffer of its own
+        lend = not self.overlapped and not cfg.averaging.error_feedback and pick_device(cfg.inner.device).type == "cpu"
+        replica = flat_tensors(shapes, shared=True) if lend else None
+        averager = self.averager = RoundAverager(dht, shapes, cfg.run.run_id, cfg.averaging, admission,
+                                                 relayed=reach.mode == RELAYED, faults=faults, inputs=replica)
+        corpus = await self.compute(Corpus, cfg.data, shard, cfg.model.vocab_size)
+        model = await self.compute(build_model, cfg.model, cfg.run.seed)
+        if replica is not None:
+            await self.compute(move_parameters, model, replica)
+        trainer = self.trainer = await self.compute(Trainer, model, corpus, cfg.inner)
+        # in shared memory: the averager process serves them to a downloading peer without a copy (state_sync.py)
+        outer = self.outer = await self.compute(OuterOptimizer, trainer.model, cfg.outer, shared=True)
+        outer.pseudo_gradient_buffers = averager.inputs  # written in place, sent from there: no copy per round
+        outer.after_change.append(averager.release)  # an outer step (or a sync) consumed the round's buffers
+        return averager, trainer, outer
 
     async def _resume(self) -> str:
         """Load the newest checkpoint of ``checkpoint.dir``, if any; the file it came from (or "")."""

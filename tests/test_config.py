@@ -534,7 +534,8 @@ def test_nothing_in_the_package_loads_with_pickle():
     found = {str(path.relative_to(package)): pickle_loaders(path.read_text()) for path in sorted(package.rglob("*.py"))}
     assert len(found) > 30, "the scan must see every module of the package"
     assert {name: hits for name, hits in found.items() if hits} == {}
-    assert "torch.load(path, map_location=\"cpu\", weights_only=True)" in (package / "state" / "checkpoint.py").read_text()
+    loads = 'torch.load(path, map_location="cpu", weights_only=True'  # checkpoints load (memory-mapped) without pickle
+    assert loads in (package / "state" / "checkpoint.py").read_text()
 
 
 def test_msgpack_from_the_network_builds_no_objects_beyond_hivemind_s_own_two():

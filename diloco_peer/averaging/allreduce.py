@@ -58,11 +58,17 @@ class ExactAllReduceRunner(AllReduceRunner):
     :param faults: fault injection, for the tests only (``config/faults.py``)
     :param allreduce: the number of this all-reduce in our averager (from 1), for ``faults``
     :param relayed: members we reach over a relay: their bytes also count as ``RELAYED``
+    :param outputs: where the averages go, laid out like ``tensors`` in one buffer (``flat_tensors``): each averaged
+      part is written there the moment it is known, instead of waiting, decoded, until the parts before it are in
+      (the parts a reducer averaged early would otherwise pile up: up to half the model with two peers)
     """
 
     def __init__(self, *, traffic: torch.Tensor, limits: Limits, on_offense, faults: Faults = NO_FAULTS,
-                 allreduce: int = 0, relayed: frozenset[PeerID] = frozenset(), **kwargs):
+                 allreduce: int = 0, relayed: frozenset[PeerID] = frozenset(), outputs: list[torch.Tensor] = (),
+                 **kwargs):
         super().__init__(**kwargs)
+        self._outputs = _flat_twin(kwargs["tensors"], outputs)
+        self._parts: dict[int, list[torch.Tensor]] = {}  # peer index -> our input parts it reduces (their places)
         self._relayed = relayed
         self._faults, self._allreduce = faults, allreduce
         self._limits, self._on_offense = limits, on_offense
@@ -81,6 +87,16 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._replies_done.set()
         self._compression = self.tensor_part_container.compression
         self._lossless = isinstance(self._compression, NoCompression)
+
+    def _register(self, peer_index: int, part_index: int, averaged: torch.Tensor) -> None:
+        """An averaged part is known: into its place in ``outputs`` at once (the container keeps a view of it)."""
+        if self._outputs is not None:
+            if peer_index not in self._parts:
+                self._parts[peer_index] = internals.own_input_parts(self, peer_index)
+            part = self._parts[peer_index][part_index]
+            place = self._outputs[part.storage_offset():part.storage_offset() + part.numel()]
+            averaged = place.copy_(averaged.reshape(-1)).view(averaged.shape)
+        self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
 
     def _refuse_sender(self, peer_id: PeerID, problem: BadContribution) -> None:
         # reported once per round and sender; the sender is dropped from every part it has not sent yet
@@ -147,7 +163,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                                                                           weight=self.weight)
                 if not self._lossless:
                     averaged = deserialize(self._encode(averaged))
-                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+                self._register(peer_index, part_index, averaged)
             return
         # as in hivemind, but decoding with our codecs too
         try:
@@ -179,7 +195,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 except BadContribution as problem:
                     self._on_offense(peer_id, problem)
                     raise AllreduceException(f"refused the average of reducer {peer_id}: {problem}") from None
-                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+                self._register(peer_index, part_index, averaged)
                 part_index += 1
             expected = self.tensor_part_container.num_parts_by_peer[peer_index]
             if part_index != expected:
@@ -218,3 +234,18 @@ class ExactAllReduceRunner(AllReduceRunner):
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await internals.ban_sender(self, self.sender_peer_ids[sender_index])
+
+
+def _flat_twin(inputs, outputs) -> torch.Tensor | None:
+    """``outputs`` as one flat tensor whose offsets are those of ``inputs`` (both ``flat_tensors`` of the same
+    shapes), or None if they are not laid out so (e.g. a copy of the inputs: then parts are kept as they come)."""
+    if not outputs or len(outputs) != len(inputs):
+        return None
+    storages = {t.untyped_storage().data_ptr() for t in inputs}, {t.untyped_storage().data_ptr() for t in outputs}
+    if len(storages[0]) != 1 or len(storages[1]) != 1:
+        return None
+    if any(i.shape != o.shape or i.storage_offset() != o.storage_offset() or not i.is_contiguous()
+           for i, o in zip(inputs, outputs)):
+        return None
+    total = outputs[0].untyped_storage().nbytes() // outputs[0].element_size()
+    return outputs[0].new_empty(0).set_(outputs[0].untyped_storage(), 0, (total,), (1,))

@@ -6,6 +6,12 @@ own process, with exact results, checked numbers, admission and bans) and turns 
 
 A round that cannot find a group or whose all-reduce fails returns ``ok=False`` with the reason; the
 caller then takes a solo outer step. Nothing here raises into the training loop.
+
+Memory: two buffers of the model's size in shared memory, made before the averager process forks: ``inputs``
+(the pseudo-gradient we send: ``OuterOptimizer.pseudo_gradient`` writes it there, so no copy of it is made) and
+the averager's own tensors, where the all-reduce writes the average (the result hands them out as they are).
+Both give their memory back between rounds (``release``): 8 bytes per parameter during a round, none while
+the replica trains.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from ..config import AveragingConfig
 from ..config.faults import NO_FAULTS, Faults
 from ..lifecycle import hivemind_calls
 from ..swarm.admission import Admission
+from ..training.outer_optimizer import flat_tensors, release_pages
 from .allreduce import FAILED_VALUES, RECEIVED, RELAYED, SENT, TRANSFER_US
 from .compression import ErrorFeedback, WireCompression, get_codec
 from .hivemind_internals import keeping_our_sigint
@@ -53,6 +60,8 @@ class RoundResult:
     ok: bool
     """True if the pseudo-gradient was averaged with at least one other peer."""
     averaged: list[torch.Tensor] | None = None
+    """The average: the averager's own buffers, valid until they are released (``RoundAverager.release``, after
+    the outer step that consumes them) or the next round."""
     group_size: int = 1
     group_epochs: list[int] = field(default_factory=list)
     seconds: float = 0.0
@@ -79,16 +88,24 @@ class RoundAverager:
     :param admission: who may average with us (default: everyone)
     :param relayed: we are reachable only through a relay (the group lets direct members reduce instead)
     :param faults: fault injection, for the tests only (``config/faults.py``): passed on to the averager process
+    :param inputs: the buffer our pseudo-gradient is sent from (``flat_tensors(shapes, shared=True)``), if not our
+      own: the daemon's blocking rounds on a CPU lend the replica's memory (it is reloaded after every round
+      anyway), and a lent buffer is never released here
     """
 
     def __init__(self, dht: DHT, shapes: list[torch.Size], run_id: str, cfg: AveragingConfig,
-                 admission: Admission = Admission(), relayed: bool = False, *, faults: Faults = NO_FAULTS):
+                 admission: Admission = Admission(), relayed: bool = False, *, faults: Faults = NO_FAULTS,
+                 inputs: list[torch.Tensor] | None = None):
         self.cfg, self.admission, self.relayed, self.faults = cfg, admission, relayed, faults
         self.peer_id = dht.peer_id.to_base58()
         self.feedback = ErrorFeedback(get_codec(cfg.compression)) if cfg.error_feedback else None
         self._expected: int | None = None  # the group size our averager process was last told (expect_group)
         self._banned: dict[str, float] = {}  # peer id -> when its ban ends (time.monotonic), see banned()
-        tensors = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+        self._in_flight = False  # an all-reduce may be using the buffers: they must not be released
+        self._owns_inputs = inputs is None
+        # before the fork: the averager process reads them
+        self._inputs = flat_tensors(shapes, shared=True) if inputs is None else inputs
+        tensors = self._outputs = flat_tensors(shapes, shared=True)  # where the all-reduce writes the average
         # installed before the averager process forks, so that it applies there
         averager_logger = logging.getLogger("hivemind.averaging.averager")
         if not any(isinstance(f, _ExpectedFailuresInOneLine) for f in averager_logger.filters):
@@ -117,7 +134,28 @@ class RoundAverager:
                 bans=BanList(cfg.ban_after, cfg.ban_seconds),
                 progress_key=f"{run_id}_progress",
                 faults=faults,
+                inputs=self._inputs,
             )
+
+    @property
+    def inputs(self) -> list[torch.Tensor] | None:
+        """Where the pseudo-gradient of a round should be written (``OuterOptimizer.pseudo_gradient_buffers``):
+        ``average`` then sends it without copying it. None with error feedback, whose corrected pseudo-gradient
+        differs from the one the round keeps (a solo step applies the uncorrected one)."""
+        return None if self.feedback is not None else self._inputs
+
+    def release(self) -> None:
+        """The round's buffers are consumed (the outer step, or a state sync, is done with them): their memory goes
+        back to the system until the next round writes them. Not while an all-reduce may still use them."""
+        lock = self.averager.lock_averaged_tensors
+        if self._in_flight or not lock.acquire(block=False):  # (busy: an abandoned round's all-reduce, still on)
+            return
+        try:
+            if self._owns_inputs:
+                release_pages(self._inputs)
+            release_pages(self._outputs)
+        finally:
+            lock.release()
 
     async def average(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int,
                       expected: int | None = None) -> RoundResult:
@@ -134,10 +172,18 @@ class RoundAverager:
         before = self.averager.traffic.clone()
         if self.feedback is not None:  # send codec(x + residual); keep what the codec drops for next round
             pseudo_gradient, _ = self.feedback.roundtrip(pseudo_gradient)
-        with self.averager.get_tensors() as tensors:
-            for target, source in zip(tensors, pseudo_gradient):
-                target.copy_(source)
-            self.faults.poison(tensors)  # fault injection: a broken or malicious peer's pseudo-gradient
+        self._in_flight = True
+        try:
+            return await self._average(pseudo_gradient, weight, epoch, expected, started, before)
+        finally:
+            self._in_flight = False
+
+    async def _average(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int, expected: int | None,
+                       started: float, before: torch.Tensor) -> RoundResult:
+        if any(a is not b for a, b in zip(pseudo_gradient, self._inputs)):  # not written in place: copied
+            with self.averager.get_tensors():  # (a late all-reduce of an abandoned round must not read it half-way)
+                for target, source in zip(self._inputs, pseudo_gradient):
+                    target.copy_(source)
         weight = self.faults.poisoned_weight(weight)
         # one matchmaking key per outer epoch: a late peer still averaging epoch e never lands in the group
         # of epoch e+1, where its pseudo-gradient (relative to older weights) would poison everyone's step
@@ -175,7 +221,7 @@ class RoundAverager:
         if not gathered or len(gathered) < 2:
             return self._result(False, started, before, error="no other peer joined the group")
         with self.averager.get_tensors() as tensors:
-            averaged = [t.clone() for t in tensors]
+            averaged = list(tensors)
         epochs = [int(meta["epoch"]) for meta in gathered.values()]
         return self._result(True, started, before, averaged=averaged, group_size=len(gathered), group_epochs=epochs)
 

@@ -31,7 +31,8 @@ from ..swarm.p2pd_internals import HIVEMIND_VERSION, PrivateUse
 
 __all__ = ["HIVEMIND_VERSION", "INVENTORY", "ban_sender", "keeping_our_sigint", "mark_state_updated",
            "own_input_parts", "leave_out_before_assembly", "p2p_of", "patch_join_requests",
-           "reject_stale_join_requests", "running_group", "send_to_averager_process", "set_target_group_size"]
+           "reject_stale_join_requests", "running_group", "send_to_averager_process", "set_target_group_size",
+           "state_from_host"]
 
 AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
 MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
@@ -62,6 +63,13 @@ INVENTORY = (
     PrivateUse(AVERAGER, "_run_internal", "relies",
                "send_to_averager_process: a (method, args, kwargs) on the pipe runs as a task in the averager process",
                (), "8f85686e1ccd3eb0c11e362ce4aa1a877e378f98d47393a6fbd45e598626b5d3"),
+    PrivateUse(AVERAGER, "_get_current_state_from_host_process", "call",
+               "state_from_host: our rpc_download_state asks the host for the state to serve", ()),
+    PrivateUse("hivemind.averaging.averager", "_background_thread_fetch_current_state", "relies",
+               f"{_OURS}.get_current_state: its third element (our download's slot, not tensor infos) comes "
+               "through as it is, and CPU tensors (in shared memory) are passed, not copied",
+               ("serializer", "pipe", "get_current_state_ref"),
+               "0bef353cf74912ec85a435b0859c08544ee6d557a9072619118d0d8a1b57f572"),
     *_reads(AVERAGER, "the accessors below", "_p2p", "_outer_pipe", "_running_groups", "_matchmaking",
             "_state_updated"),
     *_reads(AVERAGER, _OURS, "serializer", "prefix", "total_size", "allreduce_kwargs"),
@@ -137,6 +145,12 @@ def running_group(averager: DecentralizedAverager, group_id: bytes) -> asyncio.F
 def mark_state_updated(averager: DecentralizedAverager) -> None:
     """Tell hivemind the averaged tensors changed, as its own ``_run_allreduce_inplace_`` does when it ends."""
     averager._state_updated.set()
+
+
+async def state_from_host(averager: DecentralizedAverager) -> tuple:
+    """In the averager process: what the host's ``get_current_state`` returns now (metadata serialized, tensors
+    as they are on the CPU, and its third element), through hivemind's own pipe for it."""
+    return await averager._get_current_state_from_host_process()
 
 
 def send_to_averager_process(averager: DecentralizedAverager, method: str, *args, **kwargs) -> None:

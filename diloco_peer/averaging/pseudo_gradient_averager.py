@@ -33,14 +33,14 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
-from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.asyncio import as_aiter, azip
 
 from ..config.faults import NO_FAULTS, Faults
 from ..swarm.admission import Admission
+from ..training.outer_optimizer import flat_tensors
 from . import hivemind_internals as internals
+from . import state_transfer
 from .allreduce import FAILED_VALUES, TRANSFER_US, ExactAllReduceRunner
-from .compression import deserialize
 from .group_bans import left_out
 from .robust_aggregation import BanList, Limits, capped_bandwidths
 
@@ -60,10 +60,20 @@ class PseudoGradientAverager(DecentralizedAverager):
     :param progress_key: the DHT key of the swarm's progress records; in a swarm closed by a secret, only
       peers with a record there may download our state (only secret holders can write to that DHT)
     :param faults: fault injection, for the tests only (``config/faults.py``); crosses into the averager process
+    :param inputs: the buffers (in shared memory, shaped like ``averaged_tensors``) that hold what we send in an
+      all-reduce; the averages are written to ``averaged_tensors``. Default: new ones
     """
 
     def __init__(self, averaged_tensors, dht: DHT, *, limits: Limits = Limits(), admission: Admission = Admission(),
-                 bans: BanList | None = None, progress_key: str = "", faults: Faults = NO_FAULTS, **kwargs):
+                 bans: BanList | None = None, progress_key: str = "", faults: Faults = NO_FAULTS,
+                 inputs: list[torch.Tensor] | None = None, **kwargs):
+        self.inputs = inputs if inputs is not None else flat_tensors([t.shape for t in averaged_tensors], shared=True)
+        self.serving = state_transfer.serving_table()
+        """The downloads of our state being served (``state_transfer.py``), shared with the host."""
+        self.served = state_transfer.ServedStates(self)
+        """The host's side of those downloads: ``state_provider`` opens one, an outer step freezes them."""
+        self.frozen_serves: dict[int, tuple] = {}
+        """In the averager process: slot -> (generation, start, copies) for downloads whose state changed."""
         self.traffic = torch.zeros(5, dtype=torch.int64).share_memory_()
         self.state_provider = None
         self.limits, self.admission, self.progress_key, self.faults = limits, admission, progress_key, faults
@@ -188,13 +198,23 @@ class PseudoGradientAverager(DecentralizedAverager):
             logger.warning(f"refused to serve our state to {peer}: {why}")
             return
         await self.faults.delay_serving()  # fault injection: a slow donor
-        async for message in super().rpc_download_state(request, context):
+        if not self.allow_state_sharing:
+            return  # (as hivemind's own handler: the downloader tries its next donor)
+        # the host's state provider (state_sync.py) hands the live tensors and the (slot, generation) of this
+        # download (hivemind pads a provider's answer without one with None: tensors that never change)
+        metadata, tensors, slot = await internals.state_from_host(self)
+        async for message in state_transfer.serve(self, metadata, tensors, slot):
             yield message
+
+    async def _freeze_serve(self, slot: int, generation: int, start: int, copies: list[torch.Tensor]) -> None:
+        state_transfer.keep_frozen(self, slot, generation, start, copies)
 
     def get_current_state(self):
         if self.state_provider is None:
             raise RuntimeError("this peer has no state to share yet")
-        return self.state_provider()
+        self.served.opened = None  # (hivemind asks for one state at a time, from one thread of ours)
+        metadata, tensors = self.state_provider()
+        return metadata, tensors, self.served.opened
 
     def download_state_from(self, donor: str, timeout: float) -> tuple[dict, list[torch.Tensor], int]:
         """Download ``donor``'s state: (metadata, tensors, bytes received). Raises on failure or silence."""
@@ -207,29 +227,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         try:
             if self.bans.is_banned(donor) or self.admission.refuses(donor, None):
                 raise RuntimeError(f"donor {donor} is banned or not admitted")
-            stub = self.get_stub(internals.p2p_of(self), PeerID.from_base58(donor), namespace=self.prefix)
-            stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
-            metadata, tensors, parts, received = None, [], [], 0
-
-            def _complete(parts) -> torch.Tensor:
-                if len(parts) != max(parts[0].chunks, 1):  # a stream that broke off: say so, not "invalid shape"
-                    raise RuntimeError(f"the state download broke off: tensor {len(tensors)} came in "
-                                       f"{len(parts)} of {parts[0].chunks} chunks")
-                return deserialize(combine_from_streaming(parts))
-
-            async for message in aiter_with_timeout(stream, timeout=timeout):
-                received += message.ByteSize()
-                if message.metadata:
-                    metadata = self.serializer.loads(message.metadata)
-                if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
-                    tensors.append(_complete(parts))
-                    parts = []
-                parts.append(message.tensor_part)
-            if parts:
-                tensors.append(_complete(parts))
-            if metadata is None:
-                raise RuntimeError("the donor declined to share its state")
-            future.set_result((metadata, tensors, received))
+            future.set_result(await state_transfer.download(self, donor, timeout))
         except BaseException as e:
             if not future.done():
                 future.set_exception(RuntimeError(f"{type(e).__name__}: {e}".strip(": ")))
@@ -281,6 +279,14 @@ class PseudoGradientAverager(DecentralizedAverager):
         except Exception as e:  # gone, or done already: nothing is waiting for us there
             logger.debug(f"withdrawing from group at {peer_id}: {e!r}")
 
+    def _sent(self) -> list[torch.Tensor]:
+        """What we send in an all-reduce: ``inputs``, or (fault injection) a poisoned copy of them."""
+        if self.faults.poison_kind in ("nan", "signflip", "scale"):
+            poisoned = [t.clone() for t in self.inputs]
+            self.faults.poison(poisoned)  # a broken or malicious peer's pseudo-gradient; our own stays as it is
+            return poisoned
+        return list(self.inputs)
+
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         # hivemind's, changed: our runner, exact averages written (not deltas added), our checks and counters
         started = time.perf_counter()
@@ -302,22 +308,17 @@ class PseudoGradientAverager(DecentralizedAverager):
             p2p=p2p,
             servicer_type=type(self),
             prefix=self.prefix,
-            tensors=tensors,
+            tensors=self._sent(),
+            outputs=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             **kwargs,
         )
         internals.running_group(self, group_id).set_result(runner)
-        # hivemind retries a failed all-reduce with the same tensors: those we had already overwritten with
-        # averages would then go in as if they were our pseudo-gradient. Put our own values back first.
-        ours = [t.clone() for t in tensors]
-        try:
-            async for tensor, averaged in azip(as_aiter(*tensors), runner):
-                tensor.copy_(averaged)
-        except BaseException:
-            for tensor, own in zip(tensors, ours):
-                tensor.copy_(own)
-            raise
+        # the runner reads our pseudo-gradient from ``inputs`` and the averages go to ``tensors``: a retry after a
+        # failure (hivemind retries with the same tensors) reads our own values again, and no copy is needed
+        async for tensor, averaged in azip(as_aiter(*tensors), runner):
+            tensor.copy_(averaged)
         # by now every sender has started streaming to us (our last part needed all of theirs)
         await runner.wait_for_replies(timeout=runner.reducer_timeout or 5.0)
         self.traffic[FAILED_VALUES] += runner.tensor_part_container.failed_size

@@ -137,28 +137,33 @@ class StateSync:
         self.inner_steps, self.cfg, self.on_serve, self.faults = inner_steps, cfg, on_serve, faults
         self.lock = threading.Lock()
         """Held while the outer state changes, so that a peer never downloads a half-updated state."""
+        outer.before_change.append(averager.served.freeze)  # a download in flight keeps the state it started with
         self.state_hash = self._own_hash()
         averager.state_provider = self._current_state
 
     def _own_hash(self) -> str:
         outer = self.outer
-        return state_sha256(outer.params, outer.momentum_buffers(), outer.epoch, outer.epoch * self.inner_steps)
+        return state_sha256(outer.params, outer.momentum_views, outer.epoch, outer.epoch * self.inner_steps)
 
     def after_outer_step(self) -> None:
         """Call (under ``lock``) after the outer state changed: refresh the published hash."""
         self.state_hash = self._own_hash()
 
     def _current_state(self):
-        # hivemind calls this in a thread of ours when a peer downloads our state
+        # hivemind calls this in a thread of ours when a peer downloads our state: the live tensors (in shared
+        # memory, the averager process streams them from there, see averaging/state_transfer.py), registered
+        # so that they stay unchanged for this download
+        n = len(self.outer.params)
         with self.lock:
             metadata = {"epoch": self.outer.epoch, "inner_step": self.outer.epoch * self.inner_steps,
                         "fingerprint": self.fingerprint, "state_hash": self.state_hash}
-            tensors = [p.detach().clone() for p in self.outer.params] + self.outer.momentum_buffers()
+            tensors = [p.detach() for p in self.outer.params] + list(self.outer.momentum_views)
+            if self.faults.corrupt:  # fault injection: serve other weights (copies: ours stay as they are)
+                tensors[:n] = self.faults.corrupt_state([t.clone() for t in tensors[:n]])
+            self.averager.served.open(tensors)  # this download's slot: an outer step meanwhile freezes its rest
         lie = self.faults.lie_epoch  # fault injection: serve our state under another epoch
         if lie is not None:
             metadata.update(epoch=lie, inner_step=lie * self.inner_steps)
-        n = len(self.outer.params)
-        tensors[:n] = self.faults.corrupt_state(tensors[:n])  # fault injection: serve other weights
         if self.on_serve is not None:
             self.on_serve(metadata["epoch"], sum(t.numel() * t.element_size() for t in tensors))
         return metadata, tensors

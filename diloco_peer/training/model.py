@@ -134,6 +134,24 @@ def build_model(cfg: ModelConfig, seed: int) -> LlamaModel:
     return model
 
 
+def parameter_shapes(cfg: ModelConfig) -> list[torch.Size]:
+    """The shapes of ``build_model(cfg)``'s parameters, in order, from a model on the meta device: no memory,
+    no init (what the averager's buffers need before the model itself is built)."""
+    with torch.device("meta"):
+        return [p.shape for p in LlamaModel(cfg).parameters()]
+
+
+@torch.no_grad()
+def move_parameters(model: nn.Module, buffers: list[torch.Tensor]) -> None:
+    """Put the model's parameters (values kept) into ``buffers`` (one per parameter, same shapes, e.g. shared memory
+    another process reads): the replica then lives there, and its old memory is freed."""
+    for param, buffer in zip(model.parameters(), buffers):
+        if buffer.shape != param.shape:
+            raise ValueError(f"a buffer of shape {tuple(buffer.shape)} for a parameter of shape {tuple(param.shape)}")
+        buffer.copy_(param)
+        param.data = buffer
+
+
 def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -141,6 +159,6 @@ def num_parameters(model: nn.Module) -> int:
 def param_sha256(params) -> str:
     """sha256 over the raw bytes of the tensors, in order: equal iff the replicas are bit-identical."""
     digest = hashlib.sha256()
-    for tensor in params:
-        digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    for tensor in params:  # hashed where it lies (a CPU fp32 tensor is not copied)
+        digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy())
     return digest.hexdigest()

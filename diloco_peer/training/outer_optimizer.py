@@ -4,19 +4,76 @@ At the start of a round the replica equals the outer weights. After H inner step
 *pseudo-gradient* is ``outer - replica`` (a step direction, like a gradient). The swarm averages it,
 then every peer applies the same SGD step to its outer weights and copies them into its replica:
 
-    buf   <- momentum * buf + g            (buf = g on the first step)
+    buf   <- momentum * buf + g            (buf = 0 before the first step)
     step  <- g + momentum * buf            (Nesterov)   or   buf   (classic momentum)
     outer <- outer - lr * step
 
 This is torch.optim.SGD(nesterov=True) semantics, which is what DiLoCo and OpenDiLoCo use. Peers that
 start from identical outer weights and receive bit-identical averages stay bit-identical.
+
+Memory: the outer weights and the momentum are one flat buffer each (``shared``: in shared memory, so that the
+averager process serves them to a downloading peer without a copy, see ``state/state_sync.py``), 8 bytes per
+parameter together; the momentum exists from the start (zeros: SGD's first step ``buf = g`` becomes
+``0 * m + g``, the same value). Whoever reads them while they may change (a checkpoint being written, a state
+being served) registers in ``before_change``: it is called before every change, and either finishes reading or
+takes a copy of what it has not read yet.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
+from collections.abc import Callable
+
 import torch
 
 from ..config import OuterConfig
+
+MADV_REMOVE = 9  # linux: free a range of shared memory (it reads as zeros afterwards, in every process mapping it)
+
+
+def flat_tensors(shapes: list[torch.Size], shared: bool = False) -> list[torch.Tensor]:
+    """fp32 zeros of ``shapes`` as views of one buffer (in shared memory if ``shared``: one file descriptor for
+    all of them, where one shared tensor each would hold hundreds open)."""
+    sizes = [torch.Size(s).numel() for s in shapes]
+    if shared:  # a new shared-memory file reads as zeros and takes no memory until written (no copy into it)
+        storage = torch.UntypedStorage._new_shared(4 * sum(sizes))
+        flat = torch.empty(0, dtype=torch.float32).set_(storage, 0, (sum(sizes),), (1,))
+    else:
+        flat = torch.zeros(sum(sizes), dtype=torch.float32)
+    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
+
+
+def release_pages(tensors: list[torch.Tensor]) -> bool:
+    """Give the memory of shared ``flat_tensors`` back to the system until they are written again, here and in every
+    process that maps them. Their values are undefined afterwards (zeros, but for a few values at the ends, which
+    share a page with what lies around them): for buffers that are written whole before each use. False (nothing
+    done) if they are not in shared memory."""
+    if not tensors or not tensors[0].is_shared():
+        return False
+    storage = tensors[0].untyped_storage()
+    # whole pages inside the buffer (torch's "file_system" sharing, which hivemind picks, puts a header before it)
+    start = -(-storage.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (storage.data_ptr() + storage.nbytes()) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end <= start:
+        return False
+    return _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_REMOVE) == 0
+
+
+def trim_heap() -> None:
+    """Hand the heap memory freed since the last call back to the system (glibc keeps it for reuse otherwise: the
+    inner steps' gradients, freed after every step, would stay resident through the round, 4 bytes per
+    parameter). A no-op where the C library has no ``malloc_trim``."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _libc():
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 class OuterOptimizer:
@@ -24,35 +81,71 @@ class OuterOptimizer:
 
     :param model: the replica; its parameters define the order and shapes of everything here
     :param cfg: the ``[outer]`` section (lr, momentum, nesterov)
+    :param shared: keep weights and momentum in shared memory (the daemon: its averager process serves them)
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: OuterConfig):
+    def __init__(self, model: torch.nn.Module, cfg: OuterConfig, shared: bool = False):
         self.model = model
-        self.params = [
-            torch.nn.Parameter(p.detach().to("cpu", torch.float32, copy=True), requires_grad=False)
-            for p in model.parameters()
-        ]
+        replica = list(model.parameters())
+        self.params = [torch.nn.Parameter(t, requires_grad=False)
+                       for t in flat_tensors([p.shape for p in replica], shared)]
+        with torch.no_grad():
+            for outer, p in zip(self.params, replica):
+                outer.copy_(p.detach())
         self.optimizer = torch.optim.SGD(
             self.params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov
         )
+        # (also without momentum, where SGD ignores them: a state always has one, and serves and hashes the same)
+        for p, buf in zip(self.params, flat_tensors([p.shape for p in self.params], shared)):
+            self.optimizer.state[p]["momentum_buffer"] = buf
         self.epoch = 0
         """Outer rounds applied so far."""
         self.lr, self.momentum, self.nesterov = cfg.lr, cfg.momentum, cfg.nesterov
+        self.pseudo_gradient_buffers: list[torch.Tensor] | None = None
+        """Where ``pseudo_gradient`` writes, if set (the averager's input buffers: no copy of the model per round)."""
+        self.before_change: list[Callable[[], None]] = []
+        """Called before the weights, momentum or epoch change (readers that must see them unchanged)."""
+        self.after_change: list[Callable[[], None]] = []
+        """Called after they changed (e.g. the round's buffers, consumed now, give their memory back)."""
+
+    @property
+    def momentum_views(self) -> list[torch.Tensor]:
+        """The live momentum buffers (zeros before the first step, and always without momentum): read only."""
+        return [self.optimizer.state[p]["momentum_buffer"] for p in self.params]
 
     @torch.no_grad()
     def pseudo_gradient(self) -> list[torch.Tensor]:
-        """``outer - replica`` for every parameter, as new fp32 CPU tensors."""
-        return [outer - p.detach().to("cpu", torch.float32) for outer, p in zip(self.params, self.model.parameters())]
+        """``outer - replica`` for every parameter, fp32 on the CPU: in ``pseudo_gradient_buffers`` if set (valid
+        until the next call), else as new tensors. Buffers that are the replica's own parameters (the daemon's
+        blocking rounds on a CPU: ``model.move_parameters``) get it in place: until ``step`` or ``load_state``
+        load the outer weights back into it, the replica holds the pseudo-gradient, not weights."""
+        trim_heap()  # the round's buffers are about to be written: the inner steps' freed gradients go back first
+        replica = [p.detach().to("cpu", torch.float32) for p in self.model.parameters()]
+        if self.pseudo_gradient_buffers is None:
+            return [outer - p for outer, p in zip(self.params, replica)]
+        for outer, p, out in zip(self.params, replica, self.pseudo_gradient_buffers):
+            torch.sub(outer, p, out=out)
+        return list(self.pseudo_gradient_buffers)
+
+    def _changing(self) -> None:
+        for hook in list(self.before_change):
+            hook()
+
+    def _changed(self) -> None:
+        for hook in list(self.after_change):
+            hook()
 
     @torch.no_grad()
     def step(self, averaged_pseudo_gradient: list[torch.Tensor]) -> None:
         """Apply one outer step with the (averaged) pseudo-gradient and load the result into the replica."""
+        self._changing()
         for outer, grad in zip(self.params, averaged_pseudo_gradient):
             outer.grad = grad.to(torch.float32)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.epoch += 1
         self.load_into_model()
+        self._changed()
 
     @torch.no_grad()
     def lookahead(self, estimate: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -62,9 +155,11 @@ class OuterOptimizer:
         ``-lr * g``, where ``buf`` is the momentum buffer as it is now (zeros before the first step, as in
         ``step``). Every peer adds its own to the same outer weights; the true average replaces it later."""
         m, out = self.momentum, []
-        for p, g, buf in zip(self.params, estimate, self.momentum_buffers()):
+        for p, g, buf in zip(self.params, estimate, self.momentum_views):
             g = g.to(torch.float32)
-            if self.nesterov:
+            if not m:
+                out.append(-self.lr * g)
+            elif self.nesterov:
                 out.append(-self.lr * ((1 + m) * g + (m * m) * buf))
             else:
                 out.append(-self.lr * (g + m * buf))
@@ -77,25 +172,30 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def momentum_buffers(self) -> list[torch.Tensor]:
-        """Copies of the Nesterov buffers (zeros before the first step: the same update, bit for bit)."""
-        buffers = []
-        for p in self.params:
-            buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
-            buffers.append(torch.zeros_like(p) if buf is None else buf.clone())
-        return buffers
+        """Copies of the Nesterov buffers (zeros before the first step)."""
+        return [buf.clone() for buf in self.momentum_views]
 
     @torch.no_grad()
-    def load_state(self, params: list[torch.Tensor], buffers: list[torch.Tensor], epoch: int) -> None:
-        """Replace outer weights, momentum and epoch (a checkpoint or a peer's state), then the replica."""
+    def load_state(self, params: list[torch.Tensor], buffers: list[torch.Tensor], epoch: int,
+                   release: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Replace outer weights, momentum and epoch (a checkpoint or a peer's state), then the replica. Copied
+        into our buffers tensor by tensor; ``release(t)`` is called once ``t`` is copied (a loader that frees
+        what it read as it goes: a state is never held twice)."""
         if len(params) != len(self.params) or len(buffers) != len(self.params):
             raise ValueError(f"expected {len(self.params)} tensors each, got {len(params)} and {len(buffers)}")
         for mine, value, buf in zip(self.params, params, buffers):
             if value.shape != mine.shape or buf.shape != mine.shape:
                 raise ValueError(f"shape mismatch: {tuple(value.shape)} / {tuple(buf.shape)} vs {tuple(mine.shape)}")
+        self._changing()
+        for mine, value, buf, live in zip(self.params, params, buffers, self.momentum_views):
             mine.copy_(value.to(torch.float32))
-            self.optimizer.state[mine]["momentum_buffer"] = buf.to(torch.float32).clone()
+            live.copy_(buf.to(torch.float32))
+            if release is not None:
+                release(value)
+                release(buf)
         self.epoch = epoch
         self.load_into_model()
+        self._changed()
 
 
 @torch.no_grad()

@@ -1,0 +1,182 @@
+"""A peer's outer state crossing the network without a copy of it in memory: served from where it lies,
+downloaded into one buffer.
+
+Serving (the donor). The outer weights and momentum live in shared memory (``OuterOptimizer(shared=True)``):
+the averager process, which answers the download, maps the very same pages (torch hands a shared tensor to
+another process as a file descriptor) and streams them tensor by tensor, one serialized tensor at a time. What
+it sends must be *one* state, though, and the host may take an outer step (or a state sync) while a slow
+download is halfway. So the host registers each download (a slot of ``ServedStates.table``, in shared memory:
+active, next tensor to read, frozen from, generation) and, before it changes the state, copies the tensors that
+download has not read yet (``ServedStates.freeze``) and hands them over; the averager process checks, after
+serializing each live tensor, whether the state was frozen meanwhile and then serializes the copy instead (a
+seqlock: the host sets "frozen" before it changes anything). Memory: nothing while the state stands still; the
+unread rest of the state, once, when a step falls into a download.
+
+Downloading (the newcomer). The averager process assembles each tensor from its chunks and copies it into one
+shared-memory buffer shaped like the state (untouched pages cost nothing): the host then receives that buffer
+as it is (no copy through the pipe) and checks it before copying it into its own state. 8 bytes per parameter
+for the length of a sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+from hivemind.compression import CompressionInfo
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from ..training.outer_optimizer import flat_tensors
+from . import hivemind_internals as internals
+from .compression import deserialize
+
+logger = logging.getLogger(__name__)
+
+MAX_SERVES = 16
+"""Downloads of our state served at once; one more is turned away (the downloader tries another donor)."""
+ACTIVE, NEXT, FROZEN, GENERATION = range(4)
+FREEZE_WAIT = 30.0
+"""Seconds the averager process waits for the frozen copies the host sends when the state changed mid-download."""
+STALE = 600.0
+"""Seconds without progress after which the host forgets a download (its averager-side stream is gone)."""
+
+
+def serving_table() -> torch.Tensor:
+    """The slots of the downloads being served, in shared memory (made before the averager process forks)."""
+    return torch.zeros(MAX_SERVES, 4, dtype=torch.int64).share_memory_()
+
+
+class ServedStates:
+    """The host's side of serving: a slot per download, and copies of the unread rest before the state changes.
+
+    :param averager: the running ``PseudoGradientAverager`` (its ``serving`` table; its process gets the copies)
+    """
+
+    def __init__(self, averager):
+        self.averager, self.table = averager, averager.serving
+        self._served: dict[int, list] = {}  # slot -> [generation, tensors, last NEXT seen, when it last moved]
+        self.opened: tuple[int, int] | None = None
+        """The (slot, generation) ``open`` gave last (the averager's ``get_current_state`` passes it on)."""
+
+    def open(self, tensors: list[torch.Tensor]) -> tuple[int, int]:
+        """Register a download of ``tensors`` (call it with the state locked): its (slot, generation)."""
+        self._prune()
+        free = [slot for slot in range(MAX_SERVES) if not self.table[slot, ACTIVE]]
+        if not free:
+            raise RuntimeError(f"already serving {MAX_SERVES} downloads of our state")
+        slot = free[0]
+        generation = int(self.table[slot, GENERATION]) + 1
+        self.table[slot] = torch.tensor([1, 0, -1, generation])
+        self._served[slot] = [generation, list(tensors), 0, time.monotonic()]
+        self.opened = slot, generation
+        return self.opened
+
+    def freeze(self) -> None:
+        """Before the state changes: every download in flight gets a copy of the tensors it has not read yet."""
+        self._prune()
+        for slot, (generation, tensors, _, _) in self._served.items():
+            if int(self.table[slot, FROZEN]) >= 0:
+                continue  # frozen already: it reads copies
+            start = int(self.table[slot, NEXT])
+            if start < len(tensors):
+                copies = flat_tensors([t.shape for t in tensors[start:]], shared=True)
+                for copy, tensor in zip(copies, tensors[start:]):
+                    copy.copy_(tensor)
+                internals.send_to_averager_process(self.averager, "_freeze_serve", slot, generation, start, copies)
+            self.table[slot, FROZEN] = start  # only now may the state change (the averager process checks this)
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        for slot, entry in list(self._served.items()):
+            generation, _, seen, moved = entry
+            if not self.table[slot, ACTIVE] or int(self.table[slot, GENERATION]) != generation:
+                del self._served[slot]
+            elif int(self.table[slot, NEXT]) != seen:
+                entry[2], entry[3] = int(self.table[slot, NEXT]), now
+            elif now - moved > STALE:  # its stream is gone without a word (e.g. the averager process restarted)
+                self.table[slot, ACTIVE] = 0
+                del self._served[slot]
+
+
+async def serve(averager, metadata: bytes, tensors: list[torch.Tensor], served: tuple[int, int] | None):
+    """In the averager process: the ``DownloadData`` messages of one download, tensor by tensor, in hivemind's
+    format (the first chunk of each tensor carries its dtype; the first message the metadata). ``served``: the
+    (slot, generation) ``ServedStates.open`` gave it, or None for tensors that do not change."""
+    table = averager.serving if served is not None else torch.full((1, 4), -1, dtype=torch.int64)
+    slot, generation = served if served is not None else (0, -1)
+    try:
+        compress = averager.state_compression.compress
+        for index, tensor in enumerate(tensors):
+            info, serialized = CompressionInfo.from_tensor(tensor, key=index), None
+            if int(table[slot, FROZEN]) < 0:
+                serialized = compress(tensor, info, allow_inplace=False)  # a copy of one tensor, from the live one
+                if int(table[slot, FROZEN]) < 0:  # still unchanged after the copy: it holds the state we serve
+                    table[slot, NEXT] = index + 1
+                else:
+                    serialized = None
+            if serialized is None:  # the host changed (or is changing) the state: read its copy instead
+                start, copies = await _frozen(averager, slot, generation)
+                serialized = compress(copies[index - start], info, allow_inplace=False)
+            for part in split_for_streaming(serialized):
+                yield averaging_pb2.DownloadData(tensor_part=part, **({"metadata": metadata} if metadata else {}))
+                metadata = b""
+    finally:
+        if served is not None and int(table[slot, GENERATION]) == generation:
+            table[slot, ACTIVE] = 0
+            averager.frozen_serves.pop(slot, None)
+
+
+async def _frozen(averager, slot: int, generation: int) -> tuple[int, list[torch.Tensor]]:
+    deadline = time.monotonic() + FREEZE_WAIT
+    while True:
+        found = averager.frozen_serves.get(slot)
+        if found is not None and found[0] == generation:
+            return found[1], found[2]
+        if time.monotonic() > deadline:
+            raise RuntimeError("the state changed during the download and its copy never came")
+        await asyncio.sleep(0.01)
+
+
+def keep_frozen(averager, slot: int, generation: int, start: int, copies: list[torch.Tensor]) -> None:
+    """In the averager process: the host's copies of download ``slot``'s unread tensors (from ``start`` on)."""
+    if int(averager.serving[slot, GENERATION]) == generation and averager.serving[slot, ACTIVE]:
+        averager.frozen_serves[slot] = (generation, start, copies)
+
+
+async def download(averager, donor: str, timeout: float) -> tuple[dict, list[torch.Tensor], int]:
+    """In the averager process: ``donor``'s state as (metadata, tensors, bytes received); the tensors that have our
+    state's shapes lie in one shared-memory buffer. ``timeout`` bounds the wait for each chunk."""
+    stub = averager.get_stub(internals.p2p_of(averager), PeerID.from_base58(donor), namespace=averager.prefix)
+    stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
+    shapes = [t.shape for t in averager.inputs] * 2  # outer weights, then momentum
+    staging = flat_tensors(shapes, shared=True)
+    metadata, tensors, parts, received = None, [], [], 0
+
+    def complete(parts) -> torch.Tensor:
+        if len(parts) != max(parts[0].chunks, 1):  # a stream that broke off: say so, not "invalid shape"
+            raise RuntimeError(f"the state download broke off: tensor {len(tensors)} came in "
+                               f"{len(parts)} of {parts[0].chunks} chunks")
+        tensor = deserialize(combine_from_streaming(parts))
+        index = len(tensors)
+        if index < len(staging) and tensor.shape == staging[index].shape and tensor.dtype == torch.float32:
+            return staging[index].copy_(tensor)
+        return tensor  # not our state's shape: kept as it came, for the checks to refuse with a clear message
+
+    async for message in aiter_with_timeout(stream, timeout=timeout):
+        received += message.ByteSize()
+        if message.metadata:
+            metadata = averager.serializer.loads(message.metadata)
+        if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
+            tensors.append(complete(parts))
+            parts = []
+        parts.append(message.tensor_part)
+    if parts:
+        tensors.append(complete(parts))
+    if metadata is None:
+        raise RuntimeError("the donor declined to share its state")
+    return metadata, tensors, received

@@ -1,0 +1,138 @@
+"""Memory: no extra copy of the model where state stands still. Checkpoints written from the live state (training
+waits only for what it is about to change, or drops the checkpoint), round buffers that give their memory back,
+pseudo-gradients written in place, a donor that steps during a download still serves one whole state."""
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint import SETS, _peer, _state_hash
+from test_state_sync import peers  # noqa: F401 (a fixture)
+
+from diloco_peer.config import CheckpointConfig, load_config
+from diloco_peer.state import checkpoint
+from diloco_peer.state.checkpoint import CheckpointManager, capture, restore
+from diloco_peer.training.outer_optimizer import flat_tensors, release_pages
+
+
+def _busy_writer(manager: CheckpointManager, seconds: float) -> None:
+    """The writer thread is still at an earlier checkpoint for ``seconds`` (a slow disk)."""
+    done = threading.Event()
+    manager._pending = manager._executor.submit(done.wait)
+    threading.Timer(seconds, done.set).start()
+
+
+def _round(trainer, outer) -> None:
+    trainer.train_steps(1)
+    outer.step(outer.pseudo_gradient())
+
+
+def test_a_checkpoint_holds_the_state_at_capture_while_training_goes_on(tmp_path):
+    cfg = load_config(None, SETS)
+    trainer, outer = _peer(cfg)
+    _round(trainer, outer)
+    captured = _state_hash(trainer, outer)
+    manager = CheckpointManager(CheckpointConfig(dir=str(tmp_path)), "alice", cfg.fingerprint())
+    _busy_writer(manager, 0.5)
+    state = capture(trainer, outer, cfg.fingerprint())
+    assert state.outer_params[0].data_ptr() == outer.params[0].data_ptr()  # the live tensors, not a copy
+    written = manager.save(state)
+    trainer.optimizer.step()  # the next inner step waits until the writer is past the AdamW state
+    assert state.snapshot.waited > 0.3
+    _round(trainer, outer)
+    written.result()
+    assert _state_hash(trainer, outer) != captured
+
+    fresh_trainer, fresh_outer = _peer(cfg)
+    loaded = manager.load_latest()
+    assert loaded.mapped  # memory-mapped: read as it is copied in, page by page given back
+    restore(loaded, fresh_trainer, fresh_outer)
+    assert _state_hash(fresh_trainer, fresh_outer) == captured
+
+
+def test_training_that_cannot_wait_drops_the_checkpoint_and_keeps_the_last(tmp_path, monkeypatch):
+    cfg = load_config(None, SETS)
+    trainer, outer = _peer(cfg)
+    manager = CheckpointManager(CheckpointConfig(dir=str(tmp_path), keep=2), "bob", cfg.fingerprint())
+    outer.epoch = 1
+    manager.save(capture(trainer, outer, cfg.fingerprint())).result()
+    monkeypatch.setattr(checkpoint, "CHANGE_WAIT", 0.2)
+    _busy_writer(manager, 1.0)
+    outer.epoch = 2
+    dropped = manager.save(capture(trainer, outer, cfg.fingerprint()))
+    started = time.perf_counter()
+    trainer.optimizer.step()  # an inner step: it waits 0.2 s, not for the writer
+    assert time.perf_counter() - started < 0.9
+    assert isinstance(dropped.exception(timeout=10), checkpoint._Abandoned)
+    assert [p.name for p in manager.files()] == ["epoch-000001.pt"] and not list(manager.dir.glob("*.tmp"))
+    started = time.perf_counter()
+    trainer.optimizer.step()  # the hooks are gone with the dropped write: no more waiting
+    assert time.perf_counter() - started < 0.1
+    manager.close()
+
+
+def _shared_memory_bytes() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss_Shmem:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_round_buffers_give_their_memory_back():
+    before = _shared_memory_bytes()
+    buffers = flat_tensors([torch.Size([1024, 1024])] * 8, shared=True)  # 32 MB
+    assert _shared_memory_bytes() - before < 1e6  # untouched: nothing yet
+    for b in buffers:
+        b.fill_(1.0)
+    assert _shared_memory_bytes() - before > 30e6
+    assert release_pages(buffers)
+    assert _shared_memory_bytes() - before < 1e6
+    buffers[0].fill_(2.0)  # and they can be written again
+    assert float(buffers[0].sum()) == 2.0 * 1024 * 1024
+    assert not release_pages([torch.ones(4)])  # private memory is never given back behind the allocator's back
+
+
+def test_a_pseudo_gradient_written_in_place_is_the_same():
+    cfg = load_config(None, SETS)
+    trainer, outer = _peer(cfg)
+    trainer.train_steps(2)
+    expected = outer.pseudo_gradient()
+    outer.pseudo_gradient_buffers = flat_tensors([p.shape for p in outer.params], shared=True)
+    got = outer.pseudo_gradient()
+    assert all(g is b for g, b in zip(got, outer.pseudo_gradient_buffers))
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+@pytest.mark.parametrize("sent_first", [0, 1], ids=["before-the-first-tensor", "after-one-tensor"])
+def test_a_donor_stepping_during_a_download_serves_the_state_it_started_with(peers, sent_first):  # noqa: F811
+    donor, newcomer = peers(), peers()
+    donor.advance(2)
+    target = donor.target()
+    averager = donor.averager.averager
+    provide = averager.state_provider
+
+    def step_once_sent(slot: int) -> None:  # the donor's outer step, once ``sent_first`` tensors went out
+        deadline = time.monotonic() + 5
+        while int(averager.serving[slot, 1]) < sent_first and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        donor.advance(1)
+
+    def provide_and_step():
+        answer = provide()  # registers this download, with the live tensors
+        stepping = threading.Thread(target=step_once_sent, args=(averager.served.opened[0],))
+        stepping.start()
+        if not sent_first:
+            stepping.join()  # stepped before the averager process saw a tensor: all of it comes from the copy
+        return answer
+
+    averager.state_provider = provide_and_step
+    result = asyncio.run(newcomer.sync.sync(target))
+    assert result.ok, result.error  # the hash the donor published for epoch 2 holds for what it sent
+    assert newcomer.sync.state_hash == target.state_hash and newcomer.outer.epoch == 2
+    deadline = time.monotonic() + 10
+    while donor.outer.epoch < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert donor.outer.epoch == 3 and donor.sync.state_hash != target.state_hash
