@@ -51,6 +51,7 @@ PHASES = {
     "conclude": "applying an overlapped round's average",
     "checkpoint": "a checkpoint being written (background thread)",
     "serve": "another peer downloading our state",
+    "serve_change": "our outer step (or a state sync) while a peer downloads our state",
     "sync": "downloading the swarm's state",
 }
 
@@ -61,8 +62,10 @@ def concurrent(overlapped: bool) -> list[tuple[str, ...]]:
     overlapped one runs during the next round's steps."""
     beside = ("checkpoint", "serve")
     train = ("allreduce",) if overlapped else ()
-    return [("start",), ("step", *beside, *train), ("optimizer", *beside, *train), ("allreduce", "serve"),
-            ("conclude", "allreduce", "serve") if overlapped else ("allreduce",), ("sync", "checkpoint")]
+    # the outer step comes while the round's buffers are held (they are released after it); a download of our
+    # state in flight then gets a copy of what it has not read yet
+    step = ("allreduce", "serve", "serve_change", *(("conclude",) if overlapped else ()))
+    return [("start",), ("step", *beside, *train), ("optimizer", *beside, *train), step, ("sync", "checkpoint")]
 
 
 @dataclass(frozen=True)
@@ -207,31 +210,38 @@ def _training_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
     ]
 
 
+def lends_replica(cfg: PeerConfig, device: str) -> bool:
+    """Whether the replica lives in the averager's input buffer (``daemon.PeerDaemon._build``): blocking rounds,
+    no error feedback, training on the CPU. The pseudo-gradient is then computed in place, in the replica's own
+    memory (reloaded from the outer weights after every round anyway)."""
+    return cfg.outer.overlap == "blocking" and not cfg.averaging.error_feedback and device == CPU
+
+
 def _round_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
     """The outer optimizer, the pseudo-gradient and the round's result in the peer process
     (``training/outer_optimizer.py``, ``outer_round.py``, ``averaging/averager.py``), on the host for both kinds
-    of peer."""
+    of peer. The averager's two buffers are shared memory (counted once, here) that gives its pages back after
+    the outer step (``RoundAverager.release``): they count during a round only."""
     p = shape.parameters * FP32
     overlapped = cfg.outer.overlap != "blocking"
     feedback = cfg.averaging.error_feedback
     rows = [
-        _row("outer weights (fp32)", "training/outer_optimizer.py OuterOptimizer.__init__", "resident",
-             cpu=p, gpu_host=p),
-        _row("outer Nesterov momentum", "training/outer_optimizer.py OuterOptimizer.step (SGD momentum_buffer)",
-             "resident", cpu=p, gpu_host=p),
-        _row("averager's buffers (shared memory, counted once)",
-             "averaging/averager.py RoundAverager.__init__; hivemind DecentralizedAverager (share_memory_)",
-             "resident", cpu=p, gpu_host=p),
-        _row("last pseudo-gradient, kept for a solo step", "OuterOptimizer.pseudo_gradient -> outer_round.py "
-             "OuterRounds._launch (self.sent)", "resident", cpu=p, gpu_host=p),
-        _row("averaged result", "averaging/averager.py RoundAverager.average (clone of the shared buffers)",
+        _row("outer weights (fp32, shared memory)", "training/outer_optimizer.py OuterOptimizer.__init__ "
+             "(flat_tensors)", "resident", cpu=p, gpu_host=p),
+        _row("outer Nesterov momentum (shared memory)", "training/outer_optimizer.py OuterOptimizer.__init__ "
+             "(flat_tensors, SGD's momentum_buffer)", "resident", cpu=p, gpu_host=p),
+        _row("round: pseudo-gradient sent (averager's input buffer)", "averaging/averager.py RoundAverager.__init__; "
+             "OuterOptimizer.pseudo_gradient writes it in place (a CPU peer's blocking rounds: the replica's memory)",
+             "allreduce", cpu=0 if lends_replica(cfg, CPU) else p, gpu_host=p),
+        _row("round: the average (averager's output buffer, handed out as it is)",
+             "averaging/averager.py RoundAverager.__init__; allreduce.py ExactAllReduceRunner._register",
              "allreduce", cpu=p, gpu_host=p),
     ]
     if feedback:
         rows += [_row("error-feedback residual", "averaging/compression.py ErrorFeedback.roundtrip", "resident",
                       cpu=p, gpu_host=p),
-                 _row("error feedback: old residual, corrected", "ErrorFeedback.roundtrip",
-                      "allreduce", cpu=2 * p, gpu_host=2 * p)]
+                 _row("error feedback: pseudo-gradient, old residual, corrected", "OuterOptimizer.pseudo_gradient "
+                      "(new tensors), ErrorFeedback.roundtrip", "allreduce", cpu=3 * p, gpu_host=3 * p)]
     if overlapped:
         rows += [_row("replica at the round's start (overlap)", "outer_round.py OuterRounds._round (_cpu_copy)",
                       "resident", cpu=p, gpu_host=p),
@@ -241,45 +251,41 @@ def _round_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
 
 
 def _state_rows(shape: ModelShape) -> list[Buffer]:
-    """Checkpoints and state sync in the peer process (``state/``): copies taken while a write or a transfer runs."""
+    """Checkpoints and state sync in the peer process (``state/``). No copy of the state is taken to write or
+    serve it: what they read stays unchanged until they are past it (``OuterOptimizer.before_change``)."""
     p, largest = shape.parameters * FP32, shape.largest * FP32
     return [
-        _row("checkpoint copy: outer, momentum, AdamW", "state/checkpoint.py capture (written by "
-             "CheckpointManager._write in a thread)", "checkpoint", cpu=4 * p, gpu_host=4 * p),
-        # copies of outer weights and momentum, moved to shared memory when they cross to the averager process
-        _row("state served: outer weights + momentum", "state/state_sync.py StateSync._current_state", "serve",
+        # written from the live tensors; a GPU peer's AdamW state reaches the file through the host, a tensor at a time
+        _row("checkpoint: one GPU tensor on its way to the file", "state/checkpoint.py write_atomically "
+             "(torch's serializer)", "checkpoint", gpu_host=largest),
+        # served from the outer state's shared memory; only an outer step during a download copies anything
+        _row("state served: the unread rest, copied when our state changes during a download",
+             "averaging/state_transfer.py ServedStates.freeze (OuterOptimizer.before_change)", "serve_change",
              cpu=2 * p, gpu_host=2 * p),
-        # the downloaded tensors arrive in shared memory (counted on the averager's side); the momentum is cloned
-        _row("state downloaded: new momentum, hash", "training/outer_optimizer.py OuterOptimizer.load_state; "
-             "StateSync._check", "sync", cpu=p + largest, gpu_host=p + largest),
+        # the averager process downloads into one shared-memory buffer, which crosses to us as it is, is checked
+        # and copied into our state in place, then freed (shared memory: not kept by either process's heap)
+        _row("state downloaded (shared memory), checked, then copied in", "averaging/state_transfer.py download; "
+             "StateSync._check (state_sha256); OuterOptimizer.load_state", "sync", cpu=2 * p + largest,
+             gpu_host=2 * p + largest),
     ]
 
 
 def _averager_rows(cfg: PeerConfig, shape: ModelShape, peers: int) -> list[Buffer]:
     """hivemind's averager process (``averaging/pseudo_gradient_averager.py``): its all-reduce, serving and
-    download buffers, and the pages it shares with the peer process only until the peer rewrites them."""
-    p, largest = shape.parameters * FP32, shape.largest * FP32
+    download buffers. It is forked before the model is built (``daemon.PeerDaemon._build``), so it holds no
+    copy-on-write pages of the replica or the outer state; it reads our pseudo-gradient from the shared input
+    buffer and writes each averaged part straight into the shared output buffer (both counted above)."""
+    largest = shape.largest * FP32
     # parts in flight: hivemind encodes one part ahead per peer it sends to, and decodes one ahead per reply
     wire = 2 * cfg.averaging.part_size_bytes * peers
     return [
-        # forked after the replica and outer weights exist (daemon.PeerDaemon._start builds them first): every
-        # page of them that training then rewrites is copied, and the averager keeps the old one
-        _row("averager: forked copies of replica + outer", "averaging/averager.py RoundAverager.__init__ (hivemind "
-             "forks its process)", "resident", AVERAGER, cpu=2 * p, gpu_host=p),
-        _row("averager: own values kept for a retry",
-             "averaging/pseudo_gradient_averager.py PseudoGradientAverager._run_allreduce_inplace_", "allreduce",
-             AVERAGER, cpu=p, gpu_host=p),
-        _row("averager: parts in flight, one tensor's result", "averaging/allreduce.py ExactAllReduceRunner, "
+        _row("averager: parts in flight, one part's average", "averaging/allreduce.py ExactAllReduceRunner, "
              "compression.WireCompression; hivemind TensorPartContainer", "allreduce", AVERAGER,
              cpu=wire + largest, gpu_host=wire + largest),
-        # results are consumed tensor by tensor, in reducer order: averages from faster reducers wait, decoded
-        _row("averager: averages waiting for their turn", "hivemind TensorPartContainer.iterate_output_tensors",
-             "allreduce", AVERAGER, cpu=p * (peers - 1) // peers, gpu_host=p * (peers - 1) // peers),
-        _row("averager: serving, one tensor serialised", "hivemind DecentralizedAverager.rpc_download_state",
-             "serve", AVERAGER, cpu=2 * largest, gpu_host=2 * largest),
-        _row("averager: state downloaded (shared memory)", "averaging/pseudo_gradient_averager.py "
-             "PseudoGradientAverager._download_state_from", "sync", AVERAGER,
-             cpu=2 * p + 3 * largest, gpu_host=2 * p + 3 * largest),
+        _row("averager: serving, one tensor serialised", "averaging/state_transfer.py serve", "serve", AVERAGER,
+             cpu=2 * largest, gpu_host=2 * largest),
+        _row("averager: state download, a tensor being assembled", "averaging/state_transfer.py download",
+             "sync", AVERAGER, cpu=2 * largest, gpu_host=2 * largest),
     ]
 
 
