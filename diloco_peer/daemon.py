@@ -254,7 +254,10 @@ class PeerDaemon:
         if checkpoints is not None:
             checkpoints.close()  # waits for the writes in flight
         leaving = time.monotonic()
-        if self.progress is not None:
+        if self.progress is not None and not dht.is_alive():  # (stopped with its process group: nothing to ask)
+            logger.warning(f"our DHT process is gone: our progress record expires by itself within "
+                           f"{3 * cfg.averaging.heartbeat:g}s")
+        elif self.progress is not None:
             # a DHT store can wait out RPC timeouts to peers that just died; never longer than this,
             # since an unwithdrawn record expires by itself after three heartbeats anyway
             try:

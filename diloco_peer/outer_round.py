@@ -228,7 +228,7 @@ class OuterRounds:
             # compare with the state the others end this round with: wait until one of them has stepped (a
             # peer that died mid-round stops counting when its record expires, after 3 heartbeats)
             await self._rebase(unsent, await self._round_end(epoch, extra=3 * self.cfg.averaging.heartbeat),
-                               others_only=True)
+                               ours_now=True)
         eval_loss = await self._compute.run(self._evaluate_outer if unsent is not None else self.trainer.evaluate)
         return RoundRecord(
             peer=self.name, round=self.outer.epoch, epoch=epoch, outcome=outcome, group_size=result.group_size,
@@ -312,12 +312,18 @@ class OuterRounds:
         return await self.progress.wait_for_round_end(epoch, self.cfg.averaging.ready_timeout + extra,
                                                       self.should_stop, ready_only=ready_only)
 
-    async def _rebase(self, unsent: list[torch.Tensor] | None, records: list, others_only: bool = False) -> bool:
+    async def _rebase(self, unsent: list[torch.Tensor] | None, records: list, others_only: bool = False,
+                      ours_now: bool = False) -> bool:
         """If the swarm holds other outer weights than ours, download them (and keep our unsent progress).
         ``others_only``: after a failed round, judge by the other peers' records alone (with two peers the quorum
-        epoch is the lower one, and our own un-stepped record would make us our own target)."""
-        if others_only:
+        epoch is the lower one, and our own un-stepped record would make us our own target). ``ours_now``: after
+        a partial round, with our state as it is now: every member holds a state of its own, and all must pick
+        the same one (judged by the others alone, two members could each wait for the other's, seen in CI)."""
+        if others_only or ours_now:
             records = [r for r in records if r.peer_id != self.progress.record.peer_id]
+        if ours_now:
+            records.append(self.progress.record.copy(update={"epoch": self.outer.epoch,
+                                                             "state_hash": self.sync.state_hash}))
         if not await self.catch_up(records, sending=unsent is not None):
             return False
         if unsent is not None:

@@ -121,7 +121,8 @@ def test_chaos_kills_leaves_and_joins_the_survivors_end_identical(local_swarm):
     p0_rounds = [e for e in _rounds(local_swarm, "p0") if e["round"] <= last]
     assert [e["round"] for e in p0_rounds] == sorted({e["round"] for e in p0_rounds}), p0_rounds
     assert sum(e["outcome"] == "averaged" for e in p0_rounds) >= last // 2, p0_rounds
-    assert all(e["ok"] for e in local_swarm.events("p0") if e["event"] == "sync")
+    syncs = [e for e in local_swarm.events("p0") if e["event"] == "sync"]
+    assert all(e["ok"] for e in syncs), syncs
     # loss went down through the churn
     start = next(e for e in local_swarm.events("p0") if e["event"] == "start")
     assert at_last["p0"]["eval_loss"] < start["eval_loss"] - 1.0

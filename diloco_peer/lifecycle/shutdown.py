@@ -6,6 +6,12 @@
 - A stop that overruns its grace period ends it too (exit 1): the last complete checkpoint stays valid, since
   checkpoints are written to a temporary file and renamed.
 
+Signals sent to the whole process group (Ctrl+C on a terminal, systemd's stop, ``kill -- -PGID``) reach the
+children too. hivemind forks its DHT and averager processes from ours, and a forked child inherits the event
+loop's signal wakeup fd: its SIGTERM was written into *our* loop, which took it for a second signal and exited
+at once, without leaving cleanly. So a forked child stops sharing it (``_forked_child``): it ignores SIGINT and
+SIGHUP (ours to handle: we stop our children as we leave) and dies of SIGTERM (hivemind's own ``terminate``).
+
 The deadline is a daemon thread, not a timer of the event loop: it fires whatever the main thread is stuck in
 (a blocking call, the loop closing). It is armed by the first signal and, for a run that ends by itself
 (``run.max_rounds``), when leaving starts: leaving is bounded either way.
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -24,6 +31,21 @@ from .reaper import exit_with_children
 logger = logging.getLogger("diloco_peer")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+_fork_hook_registered = False
+
+
+def _forked_child() -> None:
+    """In a process forked from one with a ``Shutdown`` installed: its signals are no longer written to the
+    parent's event loop (see the module docstring)."""
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+    except ValueError:  # not the main thread of the main interpreter: nothing of ours was installed here
+        pass
 
 
 class Shutdown:
@@ -48,8 +70,12 @@ class Shutdown:
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
         """Handle SIGTERM, SIGINT and SIGHUP on ``loop`` (call it from the loop's thread)."""
+        global _fork_hook_registered
         for sig in SIGNALS:
             loop.add_signal_handler(sig, self.request, sig.name)
+        if not _fork_hook_registered:  # (once per process: a hook cannot be unregistered)
+            os.register_at_fork(after_in_child=_forked_child)
+            _fork_hook_registered = True
 
     def request(self, signame: str) -> None:
         """A stop was asked for (by ``signame``): the first time, leave cleanly; the second, exit at once."""
