@@ -24,7 +24,7 @@ from hivemind.dht import DHT
 
 from .config import MetricsConfig, SwarmConfig
 from .lifecycle import hivemind_calls
-from .lifecycle.reaper import Reaper
+from .lifecycle.reaper import Reaper, kill_leftovers, new_children
 from .lifecycle.shutdown import Shutdown
 from .observe.metrics import MetricsServer
 from .observe.monitor import SwarmMonitor, format_status, status_json, summarize
@@ -61,8 +61,7 @@ async def run_bootstrap(
         reaper.close()
         shutdown.finished()
         raise
-    reaper.watch([c.pid for c in psutil.Process().children(recursive=True)
-                  if c.pid not in before and c.pid != reaper.proc.pid])
+    reaper.watch([c.pid for c in new_children(before, reaper.proc.pid)])
     try:
         add_progress_validators(dht, run_id)
         address = join_address(dht)
@@ -94,8 +93,11 @@ async def run_bootstrap(
     finally:
         shutdown.arm()  # stopping is bounded, asked to or not
         await probes.close()
-        with contextlib.suppress(TimeoutError):  # a DHT process that stopped answering is the reaper's
+        with contextlib.suppress(TimeoutError):  # a DHT process that stopped answering is killed below
             await hivemind_calls.call(dht.shutdown, timeout=SHUTDOWN_GRACE / 2)
+        # (else the interpreter's exit would wait for it: multiprocessing joins its children)
+        for killed in kill_leftovers(new_children(before, reaper.proc.pid)):
+            logger.warning(f"child process {killed} did not stop when told: killed it")
         reaper.close()
         if server is not None:
             server.close()

@@ -31,7 +31,7 @@ from .averaging.averager import RoundAverager
 from .config import PeerConfig
 from .config.faults import Faults
 from .lifecycle import hivemind_calls
-from .lifecycle.reaper import Reaper
+from .lifecycle.reaper import Reaper, kill_leftovers, new_children
 from .lifecycle.shutdown import Shutdown
 from .observe.events import EventLog
 from .observe.metrics import MetricsServer, PeerMetrics
@@ -114,11 +114,8 @@ class PeerDaemon:
         return await self._compute.run(fn, *args, **kwargs)
 
     def _ours(self, reaper: Reaper) -> list[psutil.Process]:
-        # the processes we started (not the host's other children, e.g. in tests); torch's shared-memory
-        # manager is left out: it is shared by the whole process and exits by itself
-        return [c for c in psutil.Process().children(recursive=True)
-                if c.pid not in self._children_before and c.pid != reaper.proc.pid
-                and _name(c) not in ("torch_shm_manager", "")]
+        # the processes we started (not the host's other children, e.g. in tests)
+        return new_children(self._children_before, reaper.proc.pid)
 
     def _watch_children(self, reaper: Reaper) -> None:
         reaper.watch([c.pid for c in self._ours(reaper)])
@@ -126,12 +123,8 @@ class PeerDaemon:
     def _kill_leftover_children(self, reaper: Reaper) -> None:
         # after a leave, a child that did not stop when told (a DHT process that stopped answering) must not
         # outlive us: the reaper only acts if *we* die, and is told "done" next
-        for child in self._ours(reaper):
-            with contextlib.suppress(psutil.Error):
-                if child.status() == psutil.STATUS_ZOMBIE:
-                    continue  # exited, not yet collected: nothing to kill
-                logger.warning(f"child process {child.pid} ({_name(child)}) did not stop when told: killing it")
-                child.kill()
+        for killed in kill_leftovers(self._ours(reaper)):
+            logger.warning(f"child process {killed} did not stop when told: killed it")
 
     async def _run(self, reaper: Reaper) -> int:
         cfg = self.cfg
@@ -254,10 +247,7 @@ class PeerDaemon:
         if checkpoints is not None:
             checkpoints.close()  # waits for the writes in flight
         leaving = time.monotonic()
-        if self.progress is not None and not dht.is_alive():  # (stopped with its process group: nothing to ask)
-            logger.warning(f"our DHT process is gone: our progress record expires by itself within "
-                           f"{3 * cfg.averaging.heartbeat:g}s")
-        elif self.progress is not None:
+        if self.progress is not None:
             # a DHT store can wait out RPC timeouts to peers that just died; never longer than this,
             # since an unwithdrawn record expires by itself after three heartbeats anyway
             try:
@@ -303,10 +293,3 @@ class PeerDaemon:
         if self._checkpoints is not None and self._checkpoints.due(self.outer.epoch):
             self._checkpoints.save(capture(self.trainer, self.outer, self.cfg.fingerprint()), self._on_checkpoint)
             self._saved_epoch = self.outer.epoch
-
-
-def _name(process: psutil.Process) -> str:
-    try:
-        return process.name()
-    except psutil.Error:  # gone meanwhile
-        return ""

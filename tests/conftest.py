@@ -107,9 +107,9 @@ class LocalSwarm:
         return list(read_events(self.workdir / f"{name}.jsonl"))
 
     def reap(self) -> None:
-        for proc in self.procs:
+        for proc in self.procs:  # as a user's ``kill PID`` (a signal to the whole group: test_lifecycle.py)
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+                os.kill(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 15
         for proc in self.procs:
             try:

@@ -3,6 +3,8 @@ waits only for what it is about to change, or drops the checkpoint), round buffe
 pseudo-gradients written in place, a donor that steps during a download still serves one whole state."""
 
 import asyncio
+import logging
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,6 +14,7 @@ import torch
 from test_checkpoint import SETS, _peer, _state_hash
 from test_state_sync import peers  # noqa: F401 (a fixture)
 
+from diloco_peer.averaging import state_transfer
 from diloco_peer.config import CheckpointConfig, load_config
 from diloco_peer.state import checkpoint
 from diloco_peer.state.checkpoint import CheckpointManager, capture, restore
@@ -136,3 +139,17 @@ def test_a_donor_stepping_during_a_download_serves_the_state_it_started_with(pee
     while donor.outer.epoch < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert donor.outer.epoch == 3 and donor.sync.state_hash != target.state_hash
+
+
+def test_a_long_state_download_says_how_far_it_is(peers, monkeypatch, capfd):  # noqa: F811
+    monkeypatch.setattr(state_transfer, "PROGRESS_EVERY", 0.0)  # before the averager processes fork
+    handler = logging.StreamHandler(sys.stderr)  # (the daemon configures logging; a test process does not)
+    monkeypatch.setattr(state_transfer.logger, "handlers", [handler])
+    monkeypatch.setattr(state_transfer.logger, "level", logging.INFO)
+    donor, newcomer = peers(), peers()
+    donor.advance(1)
+    result = asyncio.run(newcomer.sync.sync(donor.target()))
+    assert result.ok, result.error
+    total = 2 * sum(p.numel() * 4 for p in donor.outer.params) / 1e6
+    err = capfd.readouterr().err
+    assert f"state download from {donor.id[-8:]}: " in err and f" of {total:,.0f} MB (" in err, err[-2000:]

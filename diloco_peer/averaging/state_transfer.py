@@ -44,6 +44,8 @@ FREEZE_WAIT = 30.0
 """Seconds the averager process waits for the frozen copies the host sends when the state changed mid-download."""
 STALE = 600.0
 """Seconds without progress after which the host forgets a download (its averager-side stream is gone)."""
+PROGRESS_EVERY = 10.0
+"""Seconds between two progress lines of a long state download (a GB-scale state takes minutes)."""
 
 
 def serving_table() -> torch.Tensor:
@@ -167,8 +169,14 @@ async def download(averager, donor: str, timeout: float) -> tuple[dict, list[tor
             return staging[index].copy_(tensor)
         return tensor  # not our state's shape: kept as it came, for the checks to refuse with a clear message
 
+    total, started = sum(t.numel() * t.element_size() for t in staging), time.monotonic()
+    reported = started
     async for message in aiter_with_timeout(stream, timeout=timeout):
         received += message.ByteSize()
+        if time.monotonic() - reported > PROGRESS_EVERY:
+            reported = time.monotonic()
+            logger.info(f"state download from {donor[-8:]}: {received / 1e6:,.0f} of {total / 1e6:,.0f} MB "
+                        f"({received / 1e6 / (reported - started):.1f} MB/s)")
         if message.metadata:
             metadata = averager.serializer.loads(message.metadata)
         if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor

@@ -23,7 +23,8 @@ exits.
 It lives in its own session, so a Ctrl+C or a kill of its parent's process group does not take it down
 before its job is done.
 
-For a parent that is still alive: ``exit_with_children`` (exit at once, children killed), ``stop_in_order``
+For a parent that is still alive: ``exit_with_children`` (exit at once, children killed), ``kill_leftovers``
+(after a leave, what did not stop), ``stop_in_order``
 (pass a stop signal on and wait, within a deadline, until every process under the children is gone too),
 ``kill_trees`` and ``remove_namespace``. This module imports nothing of the package: anything may use it.
 """
@@ -133,6 +134,36 @@ def kill_trees(procs: list[subprocess.Popen]) -> None:
             p.kill()
         except psutil.Error:
             pass
+
+
+def new_children(before: set[int], spare: int) -> list:
+    """The processes under this one (psutil processes) that were not there in ``before``: those we started, but
+    ``spare`` (the watcher) and torch's shared-memory manager (shared by the whole process, it exits by itself)."""
+    import psutil
+
+    def name(p) -> str:
+        try:
+            return p.name()
+        except psutil.Error:  # gone meanwhile
+            return ""
+
+    return [c for c in psutil.Process().children(recursive=True)
+            if c.pid not in before and c.pid != spare and name(c) not in ("torch_shm_manager", "")]
+
+
+def kill_leftovers(procs: list) -> list[str]:
+    """SIGKILL those of ``procs`` (psutil processes) that still run: children that did not stop when told (after a
+    leave, before the watcher is told "done"). "PID NAME" of each one killed."""
+    import psutil
+
+    killed = []
+    for p in _running(procs):
+        try:
+            killed.append(f"{p.pid} {p.name()}")
+            p.kill()
+        except psutil.Error:
+            pass
+    return killed
 
 
 def stop_in_order(groups: list[list[subprocess.Popen]], signum: int, deadline: float) -> None:

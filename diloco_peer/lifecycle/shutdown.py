@@ -9,8 +9,10 @@
 Signals sent to the whole process group (Ctrl+C on a terminal, systemd's stop, ``kill -- -PGID``) reach the
 children too. hivemind forks its DHT and averager processes from ours, and a forked child inherits the event
 loop's signal wakeup fd: its SIGTERM was written into *our* loop, which took it for a second signal and exited
-at once, without leaving cleanly. So a forked child stops sharing it (``_forked_child``): it ignores SIGINT and
-SIGHUP (ours to handle: we stop our children as we leave) and dies of SIGTERM (hivemind's own ``terminate``).
+at once, without leaving cleanly. So a forked child stops sharing it (``_forked_child``) and lets SIGTERM and
+SIGHUP pass (as before, but silently): we stop our children as we leave, through hivemind's pipes, and kill
+what is left (``daemon.PeerDaemon._kill_leftover_children``, the reaper). A program they start (p2pd) gets the
+default handling back with ``exec``.
 
 The deadline is a daemon thread, not a timer of the event loop: it fires whatever the main thread is stuck in
 (a blocking call, the loop closing). It is armed by the first signal and, for a run that ends by itself
@@ -38,14 +40,18 @@ _fork_hook_registered = False
 
 def _forked_child() -> None:
     """In a process forked from one with a ``Shutdown`` installed: its signals are no longer written to the
-    parent's event loop (see the module docstring)."""
+    parent's event loop (see the module docstring). SIGINT stays as hivemind sets it (ignored)."""
     try:
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        for sig in (signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _parents_to_handle)
     except ValueError:  # not the main thread of the main interpreter: nothing of ours was installed here
         pass
+
+
+def _parents_to_handle(signum: int, frame) -> None:
+    """A forked child's SIGTERM or SIGHUP: the process that forked it stops it (a handler, not SIG_IGN, so that
+    a program the child executes, e.g. p2pd, starts with the default handling)."""
 
 
 class Shutdown:
