@@ -40,6 +40,21 @@ SHUTDOWN_GRACE = 30.0  # seconds a bootstrap node may take to stop (then it exit
 RELAY_STARTS = 5
 
 
+def _announce(dht: DHT, address_file: str) -> None:
+    """Print the line to join us (and write it to ``address_file``, if given), then our other addresses."""
+    address = join_address(dht)
+    # the exact line to paste; tests and the demo parse it, so keep its shape stable
+    print(f"diloco-peer join {address}", flush=True)
+    if address_file:  # written whole, then renamed: a reader never sees half an address
+        path = Path(address_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".tmp").write_text(address + "\n")
+        path.with_suffix(".tmp").replace(path)
+    others = [a for a in visible_addresses(dht) if a != address]
+    if others:
+        print(f"(other addresses of this node: {' '.join(others)})", flush=True)
+
+
 async def run_bootstrap(
     listen: list[str], announce: list[str], identity: str, initial_peers: list[str], run_id: str,
     report_every: float, metrics: MetricsConfig | None = None, address_file: str = "", secret_file: str = "",
@@ -64,17 +79,7 @@ async def run_bootstrap(
     reaper.watch([c.pid for c in new_children(before, reaper.proc.pid)])
     try:
         add_progress_validators(dht, run_id)
-        address = join_address(dht)
-        # the exact line to paste; tests and the demo parse it, so keep its shape stable
-        print(f"diloco-peer join {address}", flush=True)
-        if address_file:  # written whole, then renamed: a reader never sees half an address
-            path = Path(address_file)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.with_suffix(".tmp").write_text(address + "\n")
-            path.with_suffix(".tmp").replace(path)
-        others = [a for a in visible_addresses(dht) if a != address]
-        if others:
-            print(f"(other addresses of this node: {' '.join(others)})", flush=True)
+        _announce(dht, address_file)
         logger.info(f"bootstrap node up for run '{run_id}', peer id {dht.peer_id.to_base58()}"
                     + ", relaying for peers behind NAT")
         refresh = min(report_every, MONITOR_REFRESH_SECONDS)  # the gauges stay fresh between log lines

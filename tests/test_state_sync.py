@@ -88,7 +88,8 @@ class _Peer:
         self.dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers))
         model = build_model(cfg.model, cfg.run.seed + seed_offset)
         self.outer = OuterOptimizer(model, cfg.outer)
-        self.averager = RoundAverager(self.dht, [p.shape for p in self.outer.params], cfg.run.run_id, cfg.averaging)
+        self.averager = RoundAverager(self.dht, [p.shape for p in self.outer.params], cfg.run.run_id, cfg.averaging,
+                                      faults=faults)
         self.served = []
         self.sync = StateSync(self.averager.averager, self.outer, fingerprint or cfg.fingerprint(),
                               cfg.outer.inner_steps, cfg.averaging, on_serve=lambda e, n: self.served.append((e, n)),
@@ -157,6 +158,26 @@ def test_bad_donors_are_skipped_and_the_next_one_tried(peers):
         result = asyncio.run(newcomer.sync.sync(target))
         assert result.ok and result.donor == good.id and result.attempts in (1, 2), result
     assert param_sha256(newcomer.outer.params) == param_sha256(good.outer.params)
+
+
+def test_a_download_broken_off_resumes_from_another_donor_where_it_was(peers, monkeypatch, caplog):
+    """The first donor's stream ends after 5 tensors (fault ``break_serve``): the next donor sends the rest only,
+    the 5 tensors kept having matched the digests listed for the swarm's state."""
+    good, newcomer, breaking = peers(), peers(), peers(faults=Faults.parse("break_serve:5"))
+    good.advance(2)
+    assert asyncio.run(breaking.sync.sync(good.target())).ok  # it holds (and publishes) the swarm's very state
+    monkeypatch.setattr(state_sync.random, "shuffle", lambda donors: None)  # the breaking donor is tried first
+    with caplog.at_level("INFO", logger=state_sync.__name__):
+        result = asyncio.run(newcomer.sync.sync(Target(2, good.sync.state_hash, [breaking.id, good.id])))
+    assert result.ok and result.donor == good.id and result.attempts == 2, result
+    n = len(good.outer.params)
+    assert result.donor_errors == [f"donor {breaking.id[-8:]}: the state download broke off after 5 of {2 * n} tensors"]
+    assert f"resuming at tensor 5 of {2 * n} from {good.id[-8:]}" in caplog.text
+    state = [*good.outer.params, *good.outer.momentum_views]
+    rest = sum(t.numel() * 4 for t in state[5:])  # what the good donor sent: the rest, not the whole state again
+    assert rest <= result.bytes < rest + (state[0].numel() * 4) // 2, (rest, result.bytes)
+    assert newcomer.sync.state_hash == good.sync.state_hash == newcomer.sync._own_hash()
+    assert newcomer.sync.digests == good.sync.digests
 
 
 @pytest.mark.parametrize("fault, reason", [

@@ -187,6 +187,24 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        async for message in self._serve_state(context, start=0):
+            yield message
+
+    async def rpc_download_state_from(self, request: averaging_pb2.DownloadData,
+                                      context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """Our state from tensor ``start`` on (in the request's metadata): the rest of a download that another donor
+        broke off (``state_transfer.download``)."""
+        try:
+            start = self.serializer.loads(request.metadata).get("start")
+        except Exception:
+            start = None
+        if type(start) is not int or not 0 <= start < 2 * len(self.inputs):
+            logger.warning(f"refused a state download from {context.remote_id.to_base58()}: a bad start")
+            return
+        async for message in self._serve_state(context, start):
+            yield message
+
+    async def _serve_state(self, context: P2PContext, start: int) -> AsyncIterator[averaging_pb2.DownloadData]:
         peer = context.remote_id.to_base58()
         why = "banned" if self.bans.is_banned(peer) else self.admission.refuses(peer, None)
         if not why and self.admission.secret is not None and self.progress_key:
@@ -203,7 +221,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         # the host's state provider (state_sync.py) hands the live tensors and the (slot, generation) of this
         # download (hivemind pads a provider's answer without one with None: tensors that never change)
         metadata, tensors, slot = await internals.state_from_host(self)
-        async for message in state_transfer.serve(self, metadata, tensors, slot):
+        async for message in state_transfer.serve(self, metadata, tensors, slot, start):
             yield message
 
     async def _freeze_serve(self, slot: int, generation: int, start: int, copies: list[torch.Tensor]) -> None:
@@ -216,18 +234,20 @@ class PseudoGradientAverager(DecentralizedAverager):
         metadata, tensors = self.state_provider()
         return metadata, tensors, self.served.opened
 
-    def download_state_from(self, donor: str, timeout: float) -> tuple[dict, list[torch.Tensor], int]:
-        """Download ``donor``'s state: (metadata, tensors, bytes received). Raises on failure or silence."""
+    def download_state_from(self, donor: str, timeout: float, **resume) -> tuple[dict, list[torch.Tensor], int]:
+        """Download ``donor``'s state: (metadata, tensors, bytes received). Raises on failure or silence.
+        ``resume``: ``into``, ``resume`` and ``expected`` of ``state_transfer.download``."""
         future = MPFuture()
-        internals.send_to_averager_process(self, "_download_state_from", donor=donor, timeout=timeout, future=future)
+        internals.send_to_averager_process(self, "_download_state_from", donor=donor, timeout=timeout, future=future,
+                                           **resume)
         return future.result()
 
-    async def _download_state_from(self, donor: str, timeout: float, future: MPFuture) -> None:
+    async def _download_state_from(self, donor: str, timeout: float, future: MPFuture, **resume) -> None:
         # runs in the averager process; ``timeout`` bounds the wait for each chunk, not the whole download
         try:
             if self.bans.is_banned(donor) or self.admission.refuses(donor, None):
                 raise RuntimeError(f"donor {donor} is banned or not admitted")
-            future.set_result(await state_transfer.download(self, donor, timeout))
+            future.set_result(await state_transfer.download(self, donor, timeout, **resume))
         except BaseException as e:
             if not future.done():
                 future.set_exception(RuntimeError(f"{type(e).__name__}: {e}".strip(": ")))

@@ -31,6 +31,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from ..training.model import param_sha256, state_digest
 from ..training.outer_optimizer import flat_tensors
 from . import hivemind_internals as internals
 from .compression import deserialize
@@ -44,6 +45,8 @@ FREEZE_WAIT = 30.0
 """Seconds the averager process waits for the frozen copies the host sends when the state changed mid-download."""
 STALE = 600.0
 """Seconds without progress after which the host forgets a download (its averager-side stream is gone)."""
+DIGESTS = "tensor_sha256"
+"""The metadata key of the digest of each tensor a donor serves (``model.state_digest``)."""
 PROGRESS_EVERY = 10.0
 """Seconds between two progress lines of a long state download (a GB-scale state takes minutes)."""
 
@@ -105,15 +108,20 @@ class ServedStates:
                 del self._served[slot]
 
 
-async def serve(averager, metadata: bytes, tensors: list[torch.Tensor], served: tuple[int, int] | None):
-    """In the averager process: the ``DownloadData`` messages of one download, tensor by tensor, in hivemind's
-    format (the first chunk of each tensor carries its dtype; the first message the metadata). ``served``: the
-    (slot, generation) ``ServedStates.open`` gave it, or None for tensors that do not change."""
+async def serve(averager, metadata: bytes, tensors: list[torch.Tensor], served: tuple[int, int] | None,
+                first: int = 0):
+    """In the averager process: the ``DownloadData`` messages of one download, tensor by tensor from ``first`` on,
+    in hivemind's format (the first chunk of each tensor carries its dtype; the first message the metadata).
+    ``served``: the (slot, generation) ``ServedStates.open`` gave it, or None for tensors that do not change."""
     table = averager.serving if served is not None else torch.full((1, 4), -1, dtype=torch.int64)
     slot, generation = served if served is not None else (0, -1)
     try:
         compress = averager.state_compression.compress
-        for index, tensor in enumerate(tensors):
+        if served is not None:
+            table[slot, NEXT] = first  # (a step of the host's copies nothing before it)
+        for index, tensor in enumerate(tensors[first:], first):
+            if index - first == averager.faults.serve_break_after:  # fault injection: a stream that breaks off
+                return
             info, serialized = CompressionInfo.from_tensor(tensor, key=index), None
             if int(table[slot, FROZEN]) < 0:
                 serialized = compress(tensor, info, allow_inplace=False)  # a copy of one tensor, from the live one
@@ -150,14 +158,24 @@ def keep_frozen(averager, slot: int, generation: int, start: int, copies: list[t
         averager.frozen_serves[slot] = (generation, start, copies)
 
 
-async def download(averager, donor: str, timeout: float) -> tuple[dict, list[torch.Tensor], int]:
+async def download(averager, donor: str, timeout: float, into: list[torch.Tensor] | None = None,
+                   resume: torch.Tensor | None = None, expected: str = "") -> tuple[dict, list[torch.Tensor], int]:
     """In the averager process: ``donor``'s state as (metadata, tensors, bytes received); the tensors that have our
-    state's shapes lie in one shared-memory buffer. ``timeout`` bounds the wait for each chunk."""
+    state's shapes lie in one shared-memory buffer, ``into`` if given. ``timeout`` bounds the wait for each chunk.
+
+    ``resume`` (a shared int64 counter, with ``into`` and ``expected``): the donor is asked for the tensors from
+    ``resume[0]`` on only (the earlier ones are in ``into`` already, checked); each tensor that arrives matching
+    the digest the donor lists for it moves the counter on, if that list hashes to ``expected`` (the state the
+    swarm publishes, ``model.state_digest``). A download broken off then resumes there, from another donor."""
+    start = int(resume[0]) if resume is not None and into is not None else 0
     stub = averager.get_stub(internals.p2p_of(averager), PeerID.from_base58(donor), namespace=averager.prefix)
-    stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
-    shapes = [t.shape for t in averager.inputs] * 2  # outer weights, then momentum
-    staging = flat_tensors(shapes, shared=True)
-    metadata, tensors, parts, received = None, [], [], 0
+    if start:
+        request = averaging_pb2.DownloadData(metadata=averager.serializer.dumps({"start": start}))
+        stream = await asyncio.wait_for(stub.rpc_download_state_from(request), timeout)
+    else:
+        stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
+    staging = into if into is not None else flat_tensors([t.shape for t in averager.inputs] * 2, shared=True)
+    metadata, tensors, parts, received, digests = None, list(staging[:start]), [], 0, None
 
     def complete(parts) -> torch.Tensor:
         if len(parts) != max(parts[0].chunks, 1):  # a stream that broke off: say so, not "invalid shape"
@@ -166,10 +184,12 @@ async def download(averager, donor: str, timeout: float) -> tuple[dict, list[tor
         tensor = deserialize(combine_from_streaming(parts))
         index = len(tensors)
         if index < len(staging) and tensor.shape == staging[index].shape and tensor.dtype == torch.float32:
-            return staging[index].copy_(tensor)
+            tensor = staging[index].copy_(tensor)
+            if digests is not None and int(resume[0]) == index and param_sha256([tensor]) == digests[index]:
+                resume[0] = index + 1
         return tensor  # not our state's shape: kept as it came, for the checks to refuse with a clear message
 
-    total, started = sum(t.numel() * t.element_size() for t in staging), time.monotonic()
+    total, started = sum(t.numel() * t.element_size() for t in staging[start:]), time.monotonic()
     reported = started
     async for message in aiter_with_timeout(stream, timeout=timeout):
         received += message.ByteSize()
@@ -179,6 +199,7 @@ async def download(averager, donor: str, timeout: float) -> tuple[dict, list[tor
                         f"({received / 1e6 / (reported - started):.1f} MB/s)")
         if message.metadata:
             metadata = averager.serializer.loads(message.metadata)
+            digests = _listed(metadata, expected, len(staging)) if resume is not None and into is not None else None
         if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
             tensors.append(complete(parts))
             parts = []
@@ -188,3 +209,12 @@ async def download(averager, donor: str, timeout: float) -> tuple[dict, list[tor
     if metadata is None:
         raise RuntimeError("the donor declined to share its state")
     return metadata, tensors, received
+
+
+def _listed(metadata, expected: str, count: int) -> list[str] | None:
+    """The digest of each tensor the donor lists in ``metadata``, if the list hashes to ``expected``; else None."""
+    listed = metadata.get(DIGESTS) if isinstance(metadata, dict) else None
+    if not expected or not isinstance(listed, list) or len(listed) != count or \
+            not all(isinstance(d, str) for d in listed) or type(metadata.get("epoch")) is not int:
+        return None
+    return listed if state_digest(listed, metadata["epoch"], metadata.get("inner_step")) == expected else None

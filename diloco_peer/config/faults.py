@@ -21,6 +21,8 @@ One fault at a time:
 - ``corrupt_state`` (or ``corrupt_state:noise``): serve weights off by 1e-3 (finite, plausible, not what we
   published); ``corrupt_state:nan``: serve NaN weights.
 - ``slow_serve:SECONDS``: wait that long before serving a state download (a newcomer is mid-sync meanwhile).
+- ``break_serve:K``: end every state download we serve after K tensors (a stream cut: the newcomer resumes
+  from another donor).
 - ``refuse_round:N[,N...]``: refuse the group's average of round N (epoch N-1) after the all-reduce succeeded,
   as a peer whose check of the average fails: the others applied it, we did not (our weights leave theirs).
 """
@@ -39,10 +41,10 @@ from .schema import ConfigError
 
 FAULT_ENV = "DILOCO_PEER_FAULT"
 """The environment variable that switches a fault on (tests only); empty is the same as unset."""
-KINDS = ("crash_in_allreduce", "poison", "lie_epoch", "corrupt_state", "slow_serve", "refuse_round")
+KINDS = ("crash_in_allreduce", "poison", "lie_epoch", "corrupt_state", "slow_serve", "break_serve", "refuse_round")
 """The faults there are; a peer runs with one at most."""
 GRAMMAR = ("crash_in_allreduce:N, poison:nan|signflip|shape|weight|X, lie_epoch:N, corrupt_state[:nan], "
-           "slow_serve:SECONDS, refuse_round:N[,N...]")
+           "slow_serve:SECONDS, break_serve:K, refuse_round:N[,N...]")
 """The values ``FAULT_ENV`` may take, as error messages show them."""
 
 
@@ -63,6 +65,8 @@ class Faults:
     """How the weights we serve to a state download are corrupted: "", "noise" or "nan"."""
     serve_delay: float = 0.0
     """Seconds we wait before serving a state download (``slow_serve:S``): a newcomer is then mid-sync that long."""
+    serve_break_after: int = -1
+    """Tensors we send of a state download before its stream ends (``break_serve:K``); -1: all of them."""
     refuse_rounds: tuple[int, ...] = ()
     """Rounds (counted from 1) whose average we refuse after a successful all-reduce (``refuse_round``)."""
 
@@ -84,6 +88,8 @@ class Faults:
             return cls(corrupt=arg or "noise")
         if kind == "slow_serve" and sep and (delay := _number(arg)) is not None and 0 < delay <= 3600:
             return cls(serve_delay=delay)
+        if kind == "break_serve" and sep and re.fullmatch(r"[0-9]+", arg):
+            return cls(serve_break_after=int(arg))
         if kind == "refuse_round" and sep and re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)*", arg):
             return cls(refuse_rounds=tuple(int(n) for n in arg.split(",")))
         problem = f"unknown fault {_shorten(kind)!r}" if kind not in KINDS else f"bad argument for {kind}"

@@ -19,13 +19,15 @@ replicas apart for good after every failed round.
 What is transferred: outer weights and Nesterov momentum (fp32), the outer epoch and the inner
 LR-schedule position. The inner AdamW moments stay local (they describe this peer's own shard).
 
-Download: donors are the peers that hold the target, in random order (newcomers spread over donors instead of
-all hitting one); each chunk must arrive within ``averaging.sync_timeout`` or the next donor is tried, up to
-``averaging.sync_attempts`` donors. A state is checked before it replaces ours: same config fingerprint, same
-tensor count and shapes, all values finite, not older than ours, and the ``state_sha256`` of what arrived
-(weights, momentum, epoch, LR position) equals the hash the donor published: a donor serving true weights with
-poisoned momentum fails it like one serving corrupt weights. Its epoch must be the swarm's (the quorum's, not a
-claim of the donor's): a donor that serves another epoch than the one it published is refused too. A donor
+Download: donors are the peers that hold the target, in random order (newcomers spread over donors instead of all
+hitting one); each chunk must arrive within ``averaging.sync_timeout`` or the next donor is tried, up to
+``averaging.sync_attempts`` donors. A download that breaks off is not started over: the donor lists the digest of
+each tensor (their hash is the published one, ``model.state_digest``), each tensor that matched is kept, and the
+next donor sends the rest (``state_transfer.download``). A state is checked before it replaces ours: same config
+fingerprint, same tensor count and shapes, all values finite, not older than ours, and the ``state_sha256`` of what
+arrived (weights, momentum, epoch, LR position) equals the hash the donor published: a donor serving true weights
+with poisoned momentum fails it like one serving corrupt weights. Its epoch must be the swarm's (the quorum's, not
+a claim of the donor's): a donor that serves another epoch than the one it published is refused too. A donor
 failing any check is skipped and the next one tried; each failure is reported (``SyncResult.donor_errors``).
 
 Fault injection (tests only, ``config/faults.py``): ``corrupt_state`` serves weights off by 1e-3 (finite,
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import logging
 import random
 import threading
@@ -48,12 +49,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..averaging.pseudo_gradient_averager import PseudoGradientAverager
+from ..averaging.state_transfer import DIGESTS
 from ..config import AveragingConfig
 from ..config.faults import NO_FAULTS, Faults
 from ..lifecycle import hivemind_calls
 from ..swarm.progress import QUORUM, ProgressRecord, quorum_epoch, voters
-from ..training.model import param_sha256
-from ..training.outer_optimizer import OuterOptimizer
+from ..training.model import param_sha256, state_digest
+from ..training.outer_optimizer import OuterOptimizer, flat_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +67,10 @@ def state_sha256(params: list[torch.Tensor], momentum: list[torch.Tensor], epoch
     a state sync replaces ours with the donor's, so a donor could otherwise poison us through it (momentum x100
     was accepted before: the newcomer's loss went from ~2.4 to 87). Epoch and LR position are in it for the same
     reason: every field of a served state is checked against what its holders agree on, or it is not served.
+    It hashes one digest per tensor (``model.state_digest``): a donor lists them, and a download broken off
+    resumes from another donor after the tensors that matched them.
     """
-    digest = hashlib.sha256(f"epoch={epoch};inner_step={inner_step};".encode())
-    digest.update(param_sha256(params).encode())
-    digest.update(param_sha256(momentum).encode())
-    return digest.hexdigest()
+    return state_digest([param_sha256([t]) for t in [*params, *momentum]], epoch, inner_step)
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,9 @@ class StateSync:
 
     def _own_hash(self) -> str:
         outer = self.outer
-        return state_sha256(outer.params, outer.momentum_views, outer.epoch, outer.epoch * self.inner_steps)
+        self.digests = [param_sha256([t]) for t in [*outer.params, *outer.momentum_views]]
+        """Of each tensor we serve (``model.state_digest``): listed in what we serve."""
+        return state_digest(self.digests, outer.epoch, outer.epoch * self.inner_steps)
 
     def after_outer_step(self) -> None:
         """Call (under ``lock``) after the outer state changed: refresh the published hash."""
@@ -156,7 +159,7 @@ class StateSync:
         n = len(self.outer.params)
         with self.lock:
             metadata = {"epoch": self.outer.epoch, "inner_step": self.outer.epoch * self.inner_steps,
-                        "fingerprint": self.fingerprint, "state_hash": self.state_hash}
+                        "fingerprint": self.fingerprint, "state_hash": self.state_hash, DIGESTS: self.digests}
             tensors = [p.detach() for p in self.outer.params] + list(self.outer.momentum_views)
             if self.faults.corrupt:  # fault injection: serve other weights (copies: ours stay as they are)
                 tensors[:n] = self.faults.corrupt_state([t.clone() for t in tensors[:n]])
@@ -181,6 +184,7 @@ class StateSync:
         return ""
 
     def _check(self, metadata, tensors: list[torch.Tensor], target: Target) -> str:
+        """What is wrong with a downloaded state ("" if nothing; then ``self.checked`` holds its tensor digests)."""
         n = len(self.outer.params)
         if not isinstance(metadata, dict) or metadata.get("fingerprint") != self.fingerprint:
             return "its config fingerprint differs from ours (another model or run)"
@@ -194,7 +198,8 @@ class StateSync:
                 return f"a tensor has shape {tuple(theirs.shape)} {theirs.dtype}, expected {tuple(mine.shape)} float32"
             if not torch.isfinite(theirs).all():
                 return "it sent non-finite values"
-        if state_sha256(tensors[:n], tensors[n:], metadata["epoch"], metadata.get("inner_step")) != target.state_hash:
+        self.checked = [param_sha256([t]) for t in tensors]
+        if state_digest(self.checked, metadata["epoch"], metadata.get("inner_step")) != target.state_hash:
             return "the state it sent (weights, momentum, epoch, LR position) does not match the hash it published"
         return ""
 
@@ -204,6 +209,20 @@ class StateSync:
             return False
         later = metadata.get("epoch")
         return isinstance(later, int) and target.epoch < later <= target.epoch + 2
+
+    async def _download(self, donor: str, target: Target, staging: list[torch.Tensor], resume: torch.Tensor,
+                        should_stop: Callable[[], bool]) -> tuple[dict, list[torch.Tensor], int]:
+        """One donor's state into ``staging``, from tensor ``resume[0]`` on: the tensors before it came from
+        earlier donors and matched the digests listed for ``target`` (the averager process moves it on)."""
+        if int(resume[0]):
+            logger.info(f"state sync: resuming at tensor {int(resume[0])} of {len(staging)} from {donor[-8:]}")
+        metadata, tensors, received = await _unless_stopped(hivemind_calls.call(
+            self.averager.download_state_from, donor, self.cfg.sync_timeout, into=staging, resume=resume,
+            expected=target.state_hash), should_stop)
+        if len(tensors) < len(staging):  # a reset stream (e.g. a relay's limit) ends like a complete one, between
+            # two tensors: a network fault, not the donor's offense
+            raise RuntimeError(f"the state download broke off after {len(tensors)} of {len(staging)} tensors")
+        return metadata, tensors, received
 
     async def sync(self, target: Target, should_stop: Callable[[], bool] = lambda: False) -> SyncResult:
         """Download ``target`` from one of its holders and make it ours; never raises. Gives up at once (the
@@ -218,17 +237,15 @@ class StateSync:
             return result
         self.averager.allow_state_sharing = False  # nobody should download from us while we are behind
         queue = list(donors)
+        # kept across donors: a download broken off resumes where it was, from the next donor
+        staging = flat_tensors([p.shape for p in self.outer.params] * 2, shared=True)
+        resume = torch.zeros(1, dtype=torch.int64).share_memory_()
         try:
             while queue and result.attempts < self.cfg.sync_attempts and not should_stop():
                 donor = queue.pop(0)
                 result.attempts += 1
                 try:
-                    metadata, tensors, received = await _unless_stopped(hivemind_calls.call(
-                        self.averager.download_state_from, donor, self.cfg.sync_timeout), should_stop)
-                    if len(tensors) < 2 * len(self.outer.params):  # a reset stream (e.g. a relay's limit) ends
-                        # like a complete one, between two tensors: a network fault, not the donor's offense
-                        raise RuntimeError(f"the state download broke off after {len(tensors)} of "
-                                           f"{2 * len(self.outer.params)} tensors")
+                    metadata, tensors, received = await self._download(donor, target, staging, resume, should_stop)
                 except asyncio.CancelledError:
                     if not should_stop():
                         raise  # cancelled from outside: not ours to swallow
@@ -256,7 +273,7 @@ class StateSync:
                 n = len(self.outer.params)
                 with self.lock:
                     await asyncio.to_thread(self.outer.load_state, tensors[:n], tensors[n:], target.epoch)
-                    self.state_hash = target.state_hash
+                    self.state_hash, self.digests = target.state_hash, self.checked
                 result.ok, result.donor, result.epoch = True, donor, target.epoch
                 break
             if not donors:

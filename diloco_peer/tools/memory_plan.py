@@ -262,10 +262,10 @@ def _state_rows(shape: ModelShape) -> list[Buffer]:
         _row("state served: the unread rest, copied when our state changes during a download",
              "averaging/state_transfer.py ServedStates.freeze (OuterOptimizer.before_change)", "serve_change",
              cpu=2 * p, gpu_host=2 * p),
-        # the averager process downloads into one shared-memory buffer, which crosses to us as it is, is checked
-        # and copied into our state in place, then freed (shared memory: not kept by either process's heap)
-        _row("state downloaded (shared memory), checked, then copied in", "averaging/state_transfer.py download; "
-             "StateSync._check (state_sha256); OuterOptimizer.load_state", "sync", cpu=2 * p + largest,
+        # one shared-memory buffer for the whole sync (a broken download resumes into it), which the averager
+        # process fills; checked, copied into our state in place, then freed (not kept by either process's heap)
+        _row("state downloaded (shared memory), checked, then copied in", "state/state_sync.py StateSync.sync; "
+             "averaging/state_transfer.py download; OuterOptimizer.load_state", "sync", cpu=2 * p + largest,
              gpu_host=2 * p + largest),
     ]
 

@@ -156,6 +156,15 @@ def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def state_digest(digests: list[str], epoch: int, inner_step: int) -> str:
+    """The hash a peer publishes of its state (``state_sync.state_sha256``), from the ``param_sha256([t])`` of each
+    of its tensors (outer weights, then momentum): a download can check each tensor on its own as it arrives."""
+    digest = hashlib.sha256(f"epoch={epoch};inner_step={inner_step};".encode())
+    for tensor_digest in digests:
+        digest.update(tensor_digest.encode())
+    return digest.hexdigest()
+
+
 def param_sha256(params) -> str:
     """sha256 over the raw bytes of the tensors, in order: equal iff the replicas are bit-identical."""
     digest = hashlib.sha256()
