@@ -73,7 +73,7 @@ def test_three_nat_peers_average_every_round_and_a_late_one_syncs_and_contribute
                f"round {joined['round']} on the older peers", timeout=60)
     local_swarm.reap()
     for name in [*names, "late"]:
-        (found,) = reach(local_swarm, name)
+        found = reach(local_swarm, name)[0]  # (a peer leaving after the relay stopped says it lost it: a second one)
         assert found["mode"] == "relayed" and found["relays"] == 1, found
         assert "dial-back" in found["detail"] and "failed" in found["detail"], found  # the router refused
     # the three: every round averaged all three, through the relay. While the newcomer starts (a CPU-heavy process
