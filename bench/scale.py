@@ -44,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from results import figure, save  # noqa: E402
 
+from diloco_peer.observe.events import read_events  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "diloco_peer"]
 SMALL = ['data.source="stdlib"', 'data.tokenizer="bytes"', "model.vocab_size=256", "data.seq_len=64",
@@ -171,16 +173,7 @@ class Swarm:
         return self._spawn(name, argv).pid
 
     def events(self, name: str, kind: str | None = None) -> list[dict]:
-        path = self.workdir / f"{name}.jsonl"
-        if not path.exists():
-            return []
-        found = []
-        for line in path.read_text().splitlines():
-            try:
-                found.append(json.loads(line))
-            except json.JSONDecodeError:  # a line being written
-                continue
-        return [e for e in found if kind is None or e["event"] == kind]
+        return [e for e in read_events(self.workdir / f"{name}.jsonl") if kind is None or e["event"] == kind]
 
     def wait_for(self, what: str, condition, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -30,19 +30,12 @@ from results import figure, save  # noqa: E402
 from scale import MODELS, SMALL  # noqa: E402
 from swarm_bench import CLI, ROOT, raw_tcp_bytes_per_second  # noqa: E402
 
+from diloco_peer.observe.events import read_events  # noqa: E402
 from diloco_peer.tools.netbed import SlowNetwork, available  # noqa: E402
 
 
 def _events(path: Path, kind: str) -> list[dict]:
-    if not path.exists():
-        return []
-    found = []
-    for line in path.read_text().splitlines():
-        try:
-            found.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written
-            continue
-    return [e for e in found if e["event"] == kind]
+    return [e for e in read_events(path) if e["event"] == kind]
 
 
 def _wait(what: str, condition, procs: list[subprocess.Popen], timeout: float) -> None:
