@@ -14,7 +14,8 @@ from diloco_peer.averaging.compression import BLOCK
 from diloco_peer.config import AveragingConfig
 
 SHAPES = [torch.Size([257, 31]), torch.Size([1000]), torch.Size([3, 5, 7])]
-CFG = AveragingConfig(matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30.0)
+# the plain token-weighted mean, whose arithmetic the tests check (robust mode clips to the median norm)
+CFG = AveragingConfig(matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30.0, aggregation="mean")
 
 
 def _pseudo_gradients(seed: int) -> list[torch.Tensor]:

@@ -236,16 +236,14 @@ class AveragingConfig(_Section):
     max_weight_ratio: float = Field(10.0, ge=0)
     """Refuse a sender claiming more than this many times our tokens for the round (its weight in the
     mean is the tokens it claims); 0 disables the check. Raise it for swarms of very unequal batch sizes."""
-    aggregation: Literal["mean", "robust"] = "mean"
-    """``robust``, for swarms open to strangers: a reducer drops parts pointing against the group (cosine with
-    the coordinate-wise median below ``min_cosine``, groups of 3+), clips the rest to the median norm and the
-    weights to the median weight, so that no single member can move the average far. Its cost on honest rounds
-    is within noise (final eval loss against ``mean``: -0.31% to +0.18% at K=4 and K=8, simulator, 30 rounds, int8
-    and fp32), but in one K=8 run its first round refused 4 honest contributions (tiny 96-value norm weights,
-    cosines -0.02 to -0.12): offenses against honest peers, a ban at the second. Until that is fixed it is not the
-    default, and ``join`` says so at start-up. ``mean``, the token-weighted mean, takes in any update under
-    ``max_update_ratio``: a forked client sending -3x its pseudo-gradient cost 3 honest peers +115% eval loss in
-    8 rounds and was never banned; under ``robust`` it was banned in round 2 (BENCHMARKS.md)."""
+    aggregation: Literal["mean", "robust"] = "robust"
+    """``robust`` (the default): a reducer drops parts pointing against the group (cosine with the coordinate-wise
+    median below ``min_cosine``, groups of 3+, parts of 1024 values or more), clips the rest to the median norm
+    and the weights to the median weight, so that no single member can move the average far. Its cost on honest
+    rounds is within noise (final eval loss against ``mean``: -0.31% to +0.18% at K=4 and K=8, simulator, 30
+    rounds, int8 and fp32). ``mean``, the token-weighted mean, takes in any update under ``max_update_ratio``: a
+    forked client sending -3x its pseudo-gradient cost 3 honest peers +115% eval loss in 8 rounds and was never
+    banned; under ``robust`` it was banned in round 2 (BENCHMARKS.md). ``join`` warns when it runs ``mean``."""
     min_cosine: float = Field(0.0, ge=-1.0, le=1.0)
     """Robust aggregation: the lowest cosine similarity a part may have with the group's coordinate-wise
     median (groups of 3 or more; two cannot tell which of them is off)."""
