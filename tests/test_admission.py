@@ -19,7 +19,7 @@ from diloco_peer.swarm.join import start_dht
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 SHAPES = [torch.Size([200]), torch.Size([10, 10])]
-CFG = AveragingConfig(matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=20.0)
+CFG = AveragingConfig(matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=20.0, aggregation="mean")
 
 
 def test_a_secret_proof_is_bound_to_the_peer_id_and_the_secret():

@@ -204,6 +204,29 @@ def test_a_corrupt_or_lying_donor_is_rejected_with_its_reason_and_the_next_one_u
     assert [(o["offender"], o["kind"], o["detail"]) for o in offenses] == [(bad.id, "state", reason)], offenses
 
 
+def test_an_honest_donor_named_by_a_forged_record_is_no_offender(peers):
+    """Progress records are signed by per-process keys, not peer ids: anyone can publish one under an honest
+    peer's id claiming a state that peer does not hold. A syncing peer then downloads the honest state, which
+    is what its donor says it is (in the reply libp2p authenticates) but not the record's claim: the claim is
+    distrusted (``rejected``), and no offense counts against the honest peer. A donor whose reply contradicts
+    itself still is an offender."""
+    good, newcomer, bad = peers(), peers(), peers(faults=Faults.parse("corrupt_state:nan"))
+    good.advance(2)
+    assert asyncio.run(bad.sync.sync(good.target())).ok
+    forged = [Target(2, "f" * 64, [good.id]), Target(4, good.sync.state_hash, [good.id])]  # another hash, epoch
+    for target in forged:
+        result = asyncio.run(newcomer.sync.sync(target))
+        assert not result.ok and result.rejected == [good.id] and len(result.donor_errors) == 1, result
+        assert newcomer.outer.epoch == 0  # nothing was taken in
+    result = asyncio.run(newcomer.sync.sync(Target(2, good.sync.state_hash, [bad.id])))
+    assert not result.ok and result.rejected == [bad.id], result
+    offenses, deadline = [], time.monotonic() + 10  # reported in order: the bad donor's comes after any other
+    while not offenses and time.monotonic() < deadline:
+        time.sleep(0.1)
+        offenses = newcomer.averager.offenses()
+    assert [(o["offender"], o["kind"]) for o in offenses] == [(bad.id, "state")], offenses
+
+
 @pytest.mark.parametrize("poison", ["momentum", "inner_step"])
 def test_a_donor_serving_the_true_weights_with_poisoned_momentum_or_lr_position_is_refused(peers, poison):
     """An attacker's client (its state provider replaced, not a fault hook) serves the swarm's weights and

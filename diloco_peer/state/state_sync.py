@@ -184,13 +184,12 @@ class StateSync:
         return ""
 
     def _check(self, metadata, tensors: list[torch.Tensor], target: Target) -> str:
-        """What is wrong with a downloaded state ("" if nothing; then ``self.checked`` holds its tensor digests)."""
+        """What is wrong with a downloaded state ("" if nothing). ``self.checked`` then holds its tensor digests,
+        and it does whenever the tensors themselves are sound (``_contradicts_itself`` reads them)."""
         n = len(self.outer.params)
+        self.checked = None
         if not isinstance(metadata, dict) or metadata.get("fingerprint") != self.fingerprint:
             return "its config fingerprint differs from ours (another model or run)"
-        if metadata.get("epoch") != target.epoch or target.epoch < self.outer.epoch:
-            return (f"it sent epoch {metadata.get('epoch')}, expected the swarm's {target.epoch} "
-                    f"(>= ours, {self.outer.epoch})")
         if len(tensors) != 2 * n:
             return f"it sent {len(tensors)} tensors, expected {2 * n}"
         for mine, theirs in zip(self.outer.params * 2, tensors):
@@ -199,9 +198,26 @@ class StateSync:
             if not torch.isfinite(theirs).all():
                 return "it sent non-finite values"
         self.checked = [param_sha256([t]) for t in tensors]
+        if metadata.get("epoch") != target.epoch or target.epoch < self.outer.epoch:
+            return (f"it sent epoch {metadata.get('epoch')}, expected the swarm's {target.epoch} "
+                    f"(>= ours, {self.outer.epoch})")
         if state_digest(self.checked, metadata["epoch"], metadata.get("inner_step")) != target.state_hash:
             return "the state it sent (weights, momentum, epoch, LR position) does not match the hash it published"
         return ""
+
+    def _contradicts_itself(self, metadata) -> bool:
+        """Does a refused state contradict what its donor says of it in the same reply (``_check`` ran)? That is
+        an offense: the donor is the peer we dialled, and libp2p authenticates it. A state that is what its donor
+        says, only not what a progress record under its id claims, is none: records are signed by per-process
+        keys, not by peer ids, so anyone can publish one under an honest peer's id (SECURITY.md)."""
+        if not isinstance(metadata, dict):
+            return True
+        if metadata.get("fingerprint") != self.fingerprint:
+            return False  # another run's (or model's) state, as it says
+        if self.checked is None:  # wrong count, shapes, dtypes or values: nothing an honest peer serves
+            return True
+        said = metadata.get("state_hash")
+        return state_digest(self.checked, metadata.get("epoch"), metadata.get("inner_step")) != said
 
     def _trained_on(self, metadata, target: Target) -> bool:
         """Did the donor send our model's state one or two epochs past the target (it stepped while we looked)?"""
@@ -209,6 +225,21 @@ class StateSync:
             return False
         later = metadata.get("epoch")
         return isinstance(later, int) and target.epoch < later <= target.epoch + 2
+
+    def _refused(self, donor: str, metadata, target: Target, problem: str, result: SyncResult) -> None:
+        """A downloaded state failed ``_check``: say why, and count an offense if the donor is to blame."""
+        result.error = f"donor {donor[-8:]} rejected: {problem}"
+        result.donor_errors.append(result.error)
+        logger.warning(f"state sync: {result.error}")
+        if self._trained_on(metadata, target):
+            result.moved_on = True  # a donor that trained on while we looked: not an offense
+            return
+        result.rejected.append(donor)  # the claim that named it does not hold: distrusted (``OuterRounds``)
+        if self._contradicts_itself(metadata):
+            self.averager.report_offense(donor, "state", problem)
+        else:
+            logger.warning(f"state sync: donor {donor[-8:]} serves the state it says it holds, not the one a "
+                           f"record under its id claims (forged, or a liar's record): no offense")
 
     async def _download(self, donor: str, target: Target, staging: list[torch.Tensor], resume: torch.Tensor,
                         should_stop: Callable[[], bool]) -> tuple[dict, list[torch.Tensor], int]:
@@ -260,15 +291,7 @@ class StateSync:
                 result.bytes += received
                 problem = await asyncio.to_thread(self._check, metadata, tensors, target)
                 if problem:
-                    result.error = f"donor {donor[-8:]} rejected: {problem}"
-                    result.donor_errors.append(result.error)
-                    logger.warning(f"state sync: {result.error}")
-                    if self._trained_on(metadata, target):
-                        result.moved_on = True  # a donor that trained on while we looked: not an offense
-                        continue
-                    # the donor is the peer we dialled (libp2p authenticates it): safe to count towards a ban
-                    self.averager.report_offense(donor, "state", problem)
-                    result.rejected.append(donor)
+                    self._refused(donor, metadata, target, problem, result)
                     continue
                 n = len(self.outer.params)
                 with self.lock:
