@@ -203,10 +203,8 @@ class PeerDaemon:
         cfg = self.cfg
         admission = load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
         shapes = parameter_shapes(cfg.model)
-        # blocking rounds on a CPU: the replica lives in the averager's input buffer. It is free during the round
-        # (reloaded from the outer weights after it), so the pseudo-gradient takes its place: no buffer of its own
-        lend = not self.overlapped and not cfg.averaging.error_feedback and pick_device(cfg.inner.device).type == "cpu"
-        replica = flat_tensors(shapes, shared=True) if lend else None
+        lend = cfg.lends_replica(pick_device(cfg.inner.device).type)  # blocking rounds on a CPU: no pseudo-gradient
+        replica = flat_tensors(shapes, shared=True) if lend else None  # buffer, the replica's memory takes its place
         averager = self.averager = RoundAverager(dht, shapes, cfg.run.run_id, cfg.averaging, admission,
                                                  relayed=reach.mode == RELAYED, faults=faults, inputs=replica)
         corpus = await self.compute(Corpus, cfg.data, shard, cfg.model.vocab_size)

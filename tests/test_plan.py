@@ -104,6 +104,23 @@ def test_the_peak_counts_phases_that_can_be_live_together_once():
     assert blocking[GPU_HOST] < blocking[CPU] and blocking[GPU] > 16 * shape.parameters
 
 
+def test_the_replica_is_lent_to_the_round_only_where_it_is_free_during_it():
+    """Blocking rounds on a CPU compute the pseudo-gradient in the replica's memory (the daemon and the memory
+    table ask the same ``PeerConfig.lends_replica``): not overlapped (the replica trains on during the round),
+    not with error feedback (the corrected pseudo-gradient differs from the one a solo step applies), not on a
+    GPU (the replica is not in host memory)."""
+    assert load_config("tiny-cpu").lends_replica("cpu")
+    assert not load_config("tiny-cpu").lends_replica("cuda")
+    for change in ("outer.overlap=eager", "outer.overlap=delayed", "averaging.error_feedback=true"):
+        cfg = load_config("tiny-cpu", [change])
+        assert not cfg.lends_replica("cpu"), change
+        shape = ModelShape.from_config(cfg.model)
+        lent = load_config("tiny-cpu")
+        row = "round: pseudo-gradient sent (averager's input buffer)"
+        sizes = [next(r.bytes.get(CPU, 0) for r in buffers(c, shape) if r.name == row) for c in (lent, cfg)]
+        assert sizes == [0, 4 * shape.parameters], change
+
+
 def test_shortfall_names_what_is_short():
     need = {CPU: 10 * 10**9, GPU_HOST: 3 * 10**9, GPU: 20 * 10**9}
     roomy = Machine(ram_available=16 * 10**9, ram_total=32 * 10**9, gpu_name="RTX 4090", gpu_free=23 * 10**9,

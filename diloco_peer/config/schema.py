@@ -339,6 +339,13 @@ class PeerConfig(_Section):
                              'e.g. --set data.shards_dir="data/corpus"')
         return self
 
+    def lends_replica(self, device_type: str) -> bool:
+        """Whether the replica lives in the averager's input buffer (``daemon.PeerDaemon._build``, and the memory
+        table of ``tools/memory_plan.py``): blocking rounds, no error feedback, training on the CPU
+        (``device_type``). The replica is free during a round (reloaded from the outer weights after it), so the
+        pseudo-gradient is computed in its memory, and needs no buffer of its own."""
+        return self.outer.overlap == "blocking" and not self.averaging.error_feedback and device_type == "cpu"
+
     def fingerprint(self) -> str:
         """Hash of everything that must be equal across a swarm (model shape, seed, run id)."""
         shared = {"run_id": self.run.run_id, "seed": self.run.seed, "model": self.model.model_dump()}

@@ -210,13 +210,6 @@ def _training_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
     ]
 
 
-def lends_replica(cfg: PeerConfig, device: str) -> bool:
-    """Whether the replica lives in the averager's input buffer (``daemon.PeerDaemon._build``): blocking rounds,
-    no error feedback, training on the CPU. The pseudo-gradient is then computed in place, in the replica's own
-    memory (reloaded from the outer weights after every round anyway)."""
-    return cfg.outer.overlap == "blocking" and not cfg.averaging.error_feedback and device == CPU
-
-
 def _round_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
     """The outer optimizer, the pseudo-gradient and the round's result in the peer process
     (``training/outer_optimizer.py``, ``outer_round.py``, ``averaging/averager.py``), on the host for both kinds
@@ -232,7 +225,7 @@ def _round_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
              "(flat_tensors, SGD's momentum_buffer)", "resident", cpu=p, gpu_host=p),
         _row("round: pseudo-gradient sent (averager's input buffer)", "averaging/averager.py RoundAverager.__init__; "
              "OuterOptimizer.pseudo_gradient writes it in place (a CPU peer's blocking rounds: the replica's memory)",
-             "allreduce", cpu=0 if lends_replica(cfg, CPU) else p, gpu_host=p),
+             "allreduce", cpu=0 if cfg.lends_replica(CPU) else p, gpu_host=p),
         _row("round: the average (averager's output buffer, handed out as it is)",
              "averaging/averager.py RoundAverager.__init__; allreduce.py ExactAllReduceRunner._register",
              "allreduce", cpu=p, gpu_host=p),
