@@ -350,7 +350,7 @@ class OuterRounds:
             if not result.moved_on or self.should_stop() or not self.sync.needs_sync(
                     target := swarm_target(await self.progress.swarm_records())):
                 break
-            result = (await self.sync.sync(target, self.should_stop)).after(result)
+            result = (await self.sync.sync(target, self.should_stop, reuse=result)).after(result)
         self.events.write("sync", peer=self.name, reason=why, donor=result.donor, epoch=result.epoch,
                           seconds=result.seconds, bytes=result.bytes, attempts=result.attempts, ok=result.ok,
                           error=result.error, donor_errors=result.donor_errors)

@@ -289,9 +289,26 @@ def test_a_donor_that_trained_on_during_the_download_is_no_offense(peers):
                                    f"(>= ours, 0)"]
     time.sleep(1.0)
     assert newcomer.averager.offenses() == []  # nothing counts towards a ban
-    retry = asyncio.run(newcomer.sync.sync(good.target())).after(result)
-    assert retry.ok and retry.attempts == 2 and retry.bytes == 2 * result.bytes > 0, retry
+    # what it sent is the swarm's new state: taken as it is (a 1.2 GB llama-150m state was downloaded 3 times
+    # when the donor stepped during each download, BENCHMARKS.md)
+    downloaded = result.bytes
+    retry = asyncio.run(newcomer.sync.sync(good.target(), reuse=result)).after(result)
+    assert retry.ok and retry.attempts == 1 and retry.bytes == downloaded > 0 and len(good.served) == 1, retry
     assert retry.donor_errors == result.donor_errors  # the daemon's one sync event names both tries
+    assert newcomer.outer.epoch == 2 and newcomer.sync.state_hash == good.sync.state_hash == newcomer.sync._own_hash()
+    assert result.later is None  # handed over: its memory is not held twice
+
+
+def test_a_later_state_that_is_not_the_new_target_is_downloaded_again(peers):
+    good, newcomer = peers(), peers()
+    good.advance(2)
+    result = asyncio.run(newcomer.sync.sync(Target(1, "hash of epoch 1", [good.id])))
+    assert result.moved_on and result.later is not None, result
+    good.advance(1)  # the swarm stepped once more: what was sent (epoch 2) is not its target (epoch 3)
+    downloaded = result.bytes
+    retry = asyncio.run(newcomer.sync.sync(good.target(), reuse=result)).after(result)
+    assert retry.ok and retry.bytes > 1.99 * downloaded and len(good.served) == 2, retry  # (epoch 3's metadata)
+    assert newcomer.outer.epoch == 3 and newcomer.sync._own_hash() == good.sync.state_hash
 
 
 def test_states_that_fail_the_checks_are_refused(peers):

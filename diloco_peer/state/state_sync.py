@@ -109,6 +109,9 @@ class SyncResult:
     """Donors (peer ids) whose state failed the checks: what they publish does not hold."""
     moved_on: bool = False
     """A donor sent a later epoch than the target: the swarm stepped on while we looked (ask for a new target)."""
+    later: tuple | None = field(default=None, repr=False)
+    """That later state, if sound: (donor, metadata, tensors). ``sync(reuse=this result)`` makes it ours if it is
+    what the swarm's new target names, instead of downloading it again."""
 
     def after(self, earlier: "SyncResult") -> "SyncResult":
         """This retry with an ``earlier`` attempt's cost and donor errors added: one record of the whole sync."""
@@ -226,13 +229,16 @@ class StateSync:
         later = metadata.get("epoch")
         return isinstance(later, int) and target.epoch < later <= target.epoch + 2
 
-    def _refused(self, donor: str, metadata, target: Target, problem: str, result: SyncResult) -> None:
+    def _refused(self, donor: str, metadata, tensors: list[torch.Tensor], target: Target, problem: str,
+                 result: SyncResult) -> None:
         """A downloaded state failed ``_check``: say why, and count an offense if the donor is to blame."""
         result.error = f"donor {donor[-8:]} rejected: {problem}"
         result.donor_errors.append(result.error)
         logger.warning(f"state sync: {result.error}")
         if self._trained_on(metadata, target):
             result.moved_on = True  # a donor that trained on while we looked: not an offense
+            if self.checked is not None:  # likely the swarm's next state: kept, to check against the next target
+                result.later = (donor, metadata, tensors)
             return
         result.rejected.append(donor)  # the claim that named it does not hold: distrusted (``OuterRounds``)
         if self._contradicts_itself(metadata):
@@ -255,17 +261,26 @@ class StateSync:
             raise RuntimeError(f"the state download broke off after {len(tensors)} of {len(staging)} tensors")
         return metadata, tensors, received
 
-    async def sync(self, target: Target, should_stop: Callable[[], bool] = lambda: False) -> SyncResult:
+    async def sync(self, target: Target, should_stop: Callable[[], bool] = lambda: False,
+                   reuse: SyncResult | None = None) -> SyncResult:
         """Download ``target`` from one of its holders and make it ours; never raises. Gives up at once (the
-        download in flight abandoned) when ``should_stop()``: a peer asked to leave does not finish a sync."""
+        download in flight abandoned) when ``should_stop()``: a peer asked to leave does not finish a sync.
+        ``reuse``: an earlier result whose donor had stepped on: what it sent is taken if it is ``target``."""
         started = time.perf_counter()
         me = self.averager.peer_id.to_base58()
         donors = [p for p in target.holders if p != me]
         random.shuffle(donors)
         result = SyncResult(ok=False)
+        later, reuse = (reuse.later, reuse) if reuse is not None else (None, None)
+        if reuse is not None:
+            reuse.later = None  # ours now: its memory goes as soon as it is not the target
         if target.epoch < self.outer.epoch:
             result.error = f"refusing the state of epoch {target.epoch}: older than ours ({self.outer.epoch})"
             return result
+        if later is not None and await self._take(later, target, result):
+            result.seconds = time.perf_counter() - started
+            return result
+        later = None
         self.averager.allow_state_sharing = False  # nobody should download from us while we are behind
         queue = list(donors)
         # kept across donors: a download broken off resumes where it was, from the next donor
@@ -291,12 +306,11 @@ class StateSync:
                 result.bytes += received
                 problem = await asyncio.to_thread(self._check, metadata, tensors, target)
                 if problem:
-                    self._refused(donor, metadata, target, problem, result)
+                    self._refused(donor, metadata, tensors, target, problem, result)
+                    if result.later is not None:
+                        break  # the swarm stepped on: ask for its new target (a later donor would overwrite this)
                     continue
-                n = len(self.outer.params)
-                with self.lock:
-                    await asyncio.to_thread(self.outer.load_state, tensors[:n], tensors[n:], target.epoch)
-                    self.state_hash, self.digests = target.state_hash, self.checked
+                await self._load(tensors, target, self.checked)
                 result.ok, result.donor, result.epoch = True, donor, target.epoch
                 break
             if not donors:
@@ -305,6 +319,29 @@ class StateSync:
             self.averager.allow_state_sharing = True
             result.seconds = time.perf_counter() - started
         return result
+
+
+    async def _load(self, tensors: list[torch.Tensor], target: Target, digests: list[str]) -> None:
+        """Make a checked state ours: weights, momentum and epoch, in place, under ``lock``."""
+        n = len(self.outer.params)
+        with self.lock:
+            await asyncio.to_thread(self.outer.load_state, tensors[:n], tensors[n:], target.epoch)
+            self.state_hash, self.digests = target.state_hash, digests
+
+    async def _take(self, later: tuple, target: Target, result: SyncResult) -> bool:
+        """Make ``later`` (``SyncResult.later``) ours if it is the state ``target`` names: the donor that had stepped
+        on sent the swarm's next state, which is now the target. True if taken."""
+        donor, metadata, tensors = later
+        epoch = metadata["epoch"]
+        if epoch != target.epoch:
+            return False
+        digests = await asyncio.to_thread(lambda: [param_sha256([t]) for t in tensors])  # hashed again: ~1.8 GB/s
+        if state_digest(digests, epoch, metadata.get("inner_step")) != target.state_hash:
+            return False
+        await self._load(tensors, target, digests)
+        result.ok, result.donor, result.epoch = True, donor, target.epoch
+        logger.info(f"state sync: the state of epoch {epoch} that {donor[-8:]} sent is the swarm's now: taken")
+        return True
 
 
 async def _unless_stopped(download, should_stop: Callable[[], bool], poll: float = 0.5):
