@@ -210,7 +210,7 @@ class OuterRounds:
         epoch, max_ratio = self.outer.epoch, self.cfg.averaging.max_update_ratio
         self.report_offenses(result)
         outcome = "averaged" if result.ok else ("failed" if decision.ready > 1 else "solo")
-        if result.ok and (why := refuse_update(result.averaged, self.sent, max_ratio)
+        if result.ok and (why := refuse_update(result.averaged, result.sent_norm, max_ratio)
                           or self.averager.faults.refuses_average(epoch + 1)):
             result.ok, result.error, outcome = False, f"refused the group's average: {why}", "failed"
         if outcome == "averaged" and result.values_not_averaged:

@@ -21,6 +21,7 @@ from pathlib import Path
 import hivemind
 import pytest
 import torch
+from hivemind.averaging.control import StepControl
 from hivemind.dht import DHT
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
@@ -29,7 +30,7 @@ from hivemind.utils import MPFuture
 import diloco_peer
 from diloco_peer.averaging import hivemind_internals
 from diloco_peer.averaging.allreduce import ExactAllReduceRunner
-from diloco_peer.averaging.hivemind_internals import AVERAGER, CONTAINER, MATCHMAKING, REDUCER, RUNNER
+from diloco_peer.averaging.hivemind_internals import AVERAGER, CONTAINER, CONTROL, MATCHMAKING, REDUCER, RUNNER
 from diloco_peer.averaging.pseudo_gradient_averager import PseudoGradientAverager
 from diloco_peer.averaging.robust_aggregation import CheckedPartReducer, Limits
 from diloco_peer.swarm import p2pd_internals
@@ -101,8 +102,10 @@ async def _one_solo_allreduce(dht: DHT) -> tuple[dict, list[torch.Tensor]]:
             traffic=torch.zeros(5, dtype=torch.int64), limits=Limits(), on_offense=lambda *_: None,
             p2p=p2p, servicer_type=PseudoGradientAverager, prefix="internals", group_id=b"group",
             tensors=[torch.arange(6, dtype=torch.float32)], ordered_peer_ids=[p2p.peer_id], peer_fractions=(1.0,))
+        step = StepControl(scheduled_time=0.0, deadline=1.0, allow_retries=True, weight=1.0, data_for_gather=b"")
+        step.attach(MPFuture(), MPFuture())  # (as the averager's step does: its __del__ reads the trigger)
         objects = {RUNNER: runner, CONTAINER: runner.tensor_part_container, REDUCER: runner.tensor_part_reducer,
-                   P2P_CLASS: p2p}
+                   P2P_CLASS: p2p, CONTROL: step}
         missing = [(entry.owner, entry.name) for entry in READS
                    if entry.owner in objects and not hasattr(objects[entry.owner], entry.name)]
         missing += [(P2P_CLASS, f"_client.{name}") for name in ("connect", "disconnect")

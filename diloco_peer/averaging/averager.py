@@ -11,7 +11,9 @@ Memory: two buffers of the model's size in shared memory, made before the averag
 (the pseudo-gradient we send: ``OuterOptimizer.pseudo_gradient`` writes it there, so no copy of it is made) and
 the averager's own tensors, where the all-reduce writes the average (the result hands them out as they are).
 Both give their memory back between rounds (``release``): 8 bytes per parameter during a round, none while
-the replica trains.
+the replica trains. A lent ``inputs`` buffer (the replica's memory, blocking rounds on a CPU) is both: each
+averaged part is written over the part of our pseudo-gradient it averages, once that part is sent (``allreduce.py``),
+so the round needs no memory of its own at all.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from .allreduce import FAILED_VALUES, RECEIVED, RELAYED, SENT, TRANSFER_US
 from .compression import ErrorFeedback, WireCompression, get_codec
 from .hivemind_internals import keeping_our_sigint
 from .pseudo_gradient_averager import PseudoGradientAverager
-from .robust_aggregation import BanList, Limits
+from .robust_aggregation import BanList, Limits, vector_norm
 
 
 def wire_compression(name: str) -> CompressionBase:
@@ -61,12 +63,15 @@ class RoundResult:
     """True if the pseudo-gradient was averaged with at least one other peer."""
     averaged: list[torch.Tensor] | None = None
     """The average: the averager's own buffers, valid until they are released (``RoundAverager.release``, after
-    the outer step that consumes them) or the next round."""
+    the outer step that consumes them) or the next round; where the daemon lent the replica, its memory (valid
+    until the replica is reloaded from the outer weights)."""
     group_size: int = 1
     group_epochs: list[int] = field(default_factory=list)
     seconds: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    sent_norm: float = 0.0
+    """The norm of the pseudo-gradient we sent, taken before the round (the average may be written over it)."""
     values_not_averaged: int = 0
     """Values whose reducer failed mid-round: they hold our local value (replicas differ there)."""
     bytes_relayed: int = 0
@@ -90,7 +95,9 @@ class RoundAverager:
     :param faults: fault injection, for the tests only (``config/faults.py``): passed on to the averager process
     :param inputs: the buffer our pseudo-gradient is sent from (``flat_tensors(shapes, shared=True)``), if not our
       own: the daemon's blocking rounds on a CPU lend the replica's memory (it is reloaded after every round
-      anyway), and a lent buffer is never released here
+      anyway). The average is then written into it, over what we sent (nothing reads our pseudo-gradient after a
+      blocking round but a solo step, which after a failure mid-way gets what is there: averaged parts and ours),
+      and it is never released here
     """
 
     def __init__(self, dht: DHT, shapes: list[torch.Size], run_id: str, cfg: AveragingConfig,
@@ -102,10 +109,12 @@ class RoundAverager:
         self._expected: int | None = None  # the group size our averager process was last told (expect_group)
         self._banned: dict[str, float] = {}  # peer id -> when its ban ends (time.monotonic), see banned()
         self._in_flight = False  # an all-reduce may be using the buffers: they must not be released
+        self._sent_norm = 0.0
         self._owns_inputs = inputs is None
         # before the fork: the averager process reads them
         self._inputs = flat_tensors(shapes, shared=True) if inputs is None else inputs
-        tensors = self._outputs = flat_tensors(shapes, shared=True)  # where the all-reduce writes the average
+        # where the all-reduce writes the average: a lent buffer takes it in place
+        tensors = self._outputs = flat_tensors(shapes, shared=True) if inputs is None else inputs
         # installed before the averager process forks, so that it applies there
         averager_logger = logging.getLogger("hivemind.averaging.averager")
         if not any(isinstance(f, _ExpectedFailuresInOneLine) for f in averager_logger.filters):
@@ -150,9 +159,9 @@ class RoundAverager:
         if self._in_flight or not lock.acquire(block=False):  # (busy: an abandoned round's all-reduce, still on)
             return
         try:
-            if self._owns_inputs:
+            if self._owns_inputs:  # (a lent buffer holds the average too)
                 release_pages(self._inputs)
-            release_pages(self._outputs)
+                release_pages(self._outputs)
         finally:
             lock.release()
 
@@ -183,6 +192,7 @@ class RoundAverager:
             with self.averager.get_tensors():  # (a late all-reduce of an abandoned round must not read it half-way)
                 for target, source in zip(self._inputs, pseudo_gradient):
                     target.copy_(source)
+        self._sent_norm = vector_norm(pseudo_gradient)
         weight = self.faults.poisoned_weight(weight)
         # one matchmaking key per outer epoch: a late peer still averaging epoch e never lands in the group
         # of epoch e+1, where its pseudo-gradient (relative to older weights) would poison everyone's step
@@ -228,7 +238,7 @@ class RoundAverager:
         delta = (self.averager.traffic - before).tolist()
         return RoundResult(
             ok=ok, seconds=time.perf_counter() - started, bytes_sent=delta[SENT], bytes_received=delta[RECEIVED],
-            bytes_relayed=delta[RELAYED],
+            bytes_relayed=delta[RELAYED], sent_norm=self._sent_norm,
             values_not_averaged=delta[FAILED_VALUES], transfer_seconds=delta[TRANSFER_US] / 1e6,
             offenses=self.offenses(), **kwargs,
         )

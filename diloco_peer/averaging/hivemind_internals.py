@@ -29,7 +29,7 @@ from hivemind.proto import averaging_pb2
 
 from ..swarm.p2pd_internals import HIVEMIND_VERSION, PrivateUse
 
-__all__ = ["HIVEMIND_VERSION", "INVENTORY", "ban_sender", "keeping_our_sigint", "mark_state_updated",
+__all__ = ["HIVEMIND_VERSION", "INVENTORY", "ban_sender", "forbid_retries", "keeping_our_sigint", "mark_state_updated",
            "own_input_parts", "leave_out_before_assembly", "p2p_of", "patch_join_requests",
            "reject_stale_join_requests", "running_group", "send_to_averager_process", "set_target_group_size",
            "state_from_host"]
@@ -40,6 +40,7 @@ KEY_MANAGER = "hivemind.averaging.key_manager.GroupKeyManager"
 RUNNER = "hivemind.averaging.allreduce.AllReduceRunner"
 CONTAINER = "hivemind.averaging.partition.TensorPartContainer"
 REDUCER = "hivemind.averaging.partition.TensorPartReducer"
+CONTROL = "hivemind.averaging.control.StepControl"
 
 _OURS = "pseudo_gradient_averager.PseudoGradientAverager"
 
@@ -60,6 +61,9 @@ INVENTORY = (
                f"{_OURS}._fair_fractions: replaces the peer_fractions it passes to _run_allreduce_inplace_",
                ("group_info", "min_vector_size"),
                "c297d8a435ce2b1c0ca36b8e6bc318a23b1c696ef1624dabc654cee803650868"),
+    PrivateUse(AVERAGER, "_step", "relies", "forbid_retries: a failed attempt is retried only while allow_retries",
+               ("step",), "dfbb4416e9ebba51a120d9bc76a5eb30d844fe34fca4e52fc452f7761cfe67bf"),
+    *_reads(CONTROL, "forbid_retries (written: False, in the averager process's copy)", "_allow_retries"),
     PrivateUse(AVERAGER, "_run_internal", "relies",
                "send_to_averager_process: a (method, args, kwargs) on the pipe runs as a task in the averager process",
                (), "8f85686e1ccd3eb0c11e362ce4aa1a877e378f98d47393a6fbd45e598626b5d3"),
@@ -151,6 +155,12 @@ async def state_from_host(averager: DecentralizedAverager) -> tuple:
     """In the averager process: what the host's ``get_current_state`` returns now (metadata serialized, tensors
     as they are on the CPU, and its third element), through hivemind's own pipe for it."""
     return await averager._get_current_state_from_host_process()
+
+
+def forbid_retries(step) -> None:
+    """No further attempt for this step (a ``StepControl``, in the averager process): hivemind retries a failed
+    matchmaking or all-reduce with the same tensors until the deadline, unless ``allow_retries`` is off."""
+    step._allow_retries = False
 
 
 def send_to_averager_process(averager: DecentralizedAverager, method: str, *args, **kwargs) -> None:

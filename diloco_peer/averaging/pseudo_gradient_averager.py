@@ -61,7 +61,8 @@ class PseudoGradientAverager(DecentralizedAverager):
       peers with a record there may download our state (only secret holders can write to that DHT)
     :param faults: fault injection, for the tests only (``config/faults.py``); crosses into the averager process
     :param inputs: the buffers (in shared memory, shaped like ``averaged_tensors``) that hold what we send in an
-      all-reduce; the averages are written to ``averaged_tensors``. Default: new ones
+      all-reduce; the averages are written to ``averaged_tensors``, which may be ``inputs`` themselves (then a
+      step whose all-reduce failed after writing an average is not retried). Default: new ones
     """
 
     def __init__(self, averaged_tensors, dht: DHT, *, limits: Limits = Limits(), admission: Admission = Admission(),
@@ -82,6 +83,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         """(peer id, kind, detail, banned now) for every refused contribution, read by the host process."""
         self.allreduces = 0
         """All-reduces this averager has started (in its process), the current one included."""
+        self._step_control = None
+        """The step being run (hivemind's ``StepControl``, in the averager process), for ``forbid_retries``."""
         self._join_arrivals: dict[int, float] = {}
         """When each join request we are handling (by id of its context) reached us, in its process."""
         super().__init__(averaged_tensors, dht, **kwargs)
@@ -120,6 +123,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         internals.patch_join_requests(self, self._refuses_leader)
         internals.reject_stale_join_requests(self, lambda context: self._join_arrivals.get(id(context)))
         internals.leave_out_before_assembly(self, self._banned_by_members)
+        self._step_control = kwargs.get("step")  # (see _run_allreduce_inplace_)
         return await super()._step(**kwargs)
 
     def _banned_by_members(self, requests: dict) -> list[PeerID]:
@@ -336,9 +340,18 @@ class PseudoGradientAverager(DecentralizedAverager):
         )
         internals.running_group(self, group_id).set_result(runner)
         # the runner reads our pseudo-gradient from ``inputs`` and the averages go to ``tensors``: a retry after a
-        # failure (hivemind retries with the same tensors) reads our own values again, and no copy is needed
-        async for tensor, averaged in azip(as_aiter(*tensors), runner):
-            tensor.copy_(averaged)
+        # failure (hivemind retries with the same tensors) reads our own values again, and no copy is needed. Unless
+        # they are one buffer (a lent replica): then averages written over part of our values must not be sent as
+        # ours, and the step fails instead (the round then heals as any failed one)
+        written = 0
+        try:
+            async for tensor, averaged in azip(as_aiter(*tensors), runner):
+                tensor.copy_(averaged)
+                written += 1
+        except BaseException:
+            if (runner.registered or written) and tensors[0].data_ptr() == self.inputs[0].data_ptr():
+                internals.forbid_retries(self._step_control)
+            raise
         # by now every sender has started streaming to us (our last part needed all of theirs)
         await runner.wait_for_replies(timeout=runner.reducer_timeout or 5.0)
         self.traffic[FAILED_VALUES] += runner.tensor_part_container.failed_size

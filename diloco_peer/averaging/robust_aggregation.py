@@ -239,14 +239,19 @@ class BanList:
         return True
 
 
-def refuse_update(update: list[torch.Tensor], own: list[torch.Tensor], max_ratio: float) -> str:
+def vector_norm(tensors: list[torch.Tensor]) -> float:
+    """The L2 norm of a list of tensors taken as one vector, in float64 (no fp32 copy of the model is made)."""
+    return float(torch.sqrt(sum(torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in tensors)))
+
+
+def refuse_update(update: list[torch.Tensor], own_norm: float, max_ratio: float) -> str:
     """Why an averaged pseudo-gradient must not be applied ("" if it may): a peer that sent NaNs or a
-    huge vector (broken hardware, a buggy fork, an attacker) must not poison our weights."""
+    huge vector (broken hardware, a buggy fork, an attacker) must not poison our weights. ``own_norm``: the
+    ``vector_norm`` of the pseudo-gradient we sent (taken before the round: the average may be written over it)."""
     bad = sum(int((~torch.isfinite(t)).sum()) for t in update)
     if bad:
         return f"{bad} non-finite values"
-    norm = float(torch.sqrt(sum(t.double().pow(2).sum() for t in update)))
-    own_norm = float(torch.sqrt(sum(t.double().pow(2).sum() for t in own)))
+    norm = vector_norm(update)
     if max_ratio and norm > max_ratio * max(own_norm, 1e-12):
         return f"norm {norm:.3g} is {norm / max(own_norm, 1e-12):.0f}x ours (averaging.max_update_ratio={max_ratio:g})"
     return ""

@@ -55,7 +55,14 @@ from hivemind.averaging.partition import TensorPartContainer
 
 from ..averaging.averager import wire_compression
 from ..averaging.compression import ErrorFeedback, get_codec
-from ..averaging.robust_aggregation import BadContribution, Limits, aggregate, check_average, refuse_update
+from ..averaging.robust_aggregation import (
+    BadContribution,
+    Limits,
+    aggregate,
+    check_average,
+    refuse_update,
+    vector_norm,
+)
 from ..config import AveragingConfig, InnerConfig, PeerConfig
 from ..observe.report import save_figure
 from ..training.data import Corpus
@@ -191,7 +198,7 @@ def _aggregate(own: list[list[torch.Tensor]], sent: list[list[torch.Tensor]], we
             averaged.append(result.flatten())
     flat = torch.cat(averaged)
     average = [t.view_as(s) for t, s in zip(flat.split([s.numel() for s in sent[0]]), sent[0])]
-    refused += sum(bool(refuse_update(average, o, cfg.max_update_ratio)) for o in own)
+    refused += sum(bool(refuse_update(average, vector_norm(o), cfg.max_update_ratio)) for o in own)
     return average, refused
 
 
