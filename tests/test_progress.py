@@ -301,8 +301,9 @@ def test_a_failed_peer_waits_for_the_others_to_end_the_round(two_dhts):
 
 def test_banned_peers_and_claims_that_did_not_hold_stop_counting(two_dhts, attacker):
     """What the gate, the quorum and state sync see (``swarm_records``): not a banned peer's records, not a claim
-    whose state failed verification; a claim distrusted for a while counts again after it, and a peer that
-    publishes a new claim is judged on it."""
+    whose state failed verification; a claim distrusted for a while counts again after it. A peer whose claim
+    did not hold is a suspect: a new claim of its counts only once another peer holds the same state (a liar
+    that made up a new claim after every refused sync kept a newcomer from ever joining)."""
     first, second = two_dhts
     me, honest, liar = (SwarmProgress(dht, RUN, name, heartbeat=5.0) for dht, name in
                         ((first, "me"), (second, "honest"), (attacker, "liar")))
@@ -316,10 +317,16 @@ def test_banned_peers_and_claims_that_did_not_hold_stop_counting(two_dhts, attac
     assert seen() == [("me", 0)]
     time.sleep(0.6)
     assert seen() == [("honest", 4), ("me", 0)]
-    asyncio.run(liar.publish(epoch=5, state_hash="h5"))  # a new claim is a new claim
-    wait_until(lambda: ("liar", 5) in seen(), "the liar's new record", 20)
+    stored = lambda: {(r.peer_id, r.epoch) for r in asyncio.run(fetch_progress(first, RUN))}  # noqa: E731
+    for lie in (10**6 + 1, 5):  # the liar's next claims: unconfirmed, no vote, no target
+        asyncio.run(liar.publish(epoch=lie, state_hash=f"h{lie}"))
+        wait_until(lambda: ("liar", lie) in stored(), "the liar's new record", 20)  # noqa: B023
+        assert seen() == [("honest", 4), ("me", 0)], lie
+    asyncio.run(honest.publish(epoch=5, state_hash="h5"))
+    wait_until(lambda: ("liar", 5) in seen(), "the liar's claim, confirmed by the honest peer", 20)
+    assert seen() == [("honest", 5), ("liar", 5), ("me", 0)]
     me.ban("liar", 60.0)
-    assert seen() == [("honest", 4), ("me", 0)]
+    assert seen() == [("honest", 5), ("me", 0)]
 
 
 @pytest.mark.slow

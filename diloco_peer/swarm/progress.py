@@ -23,7 +23,9 @@ Open to volunteers means open to liars: anyone can publish a record that claims 
   donor served another epoch or state than it published) or, when one peer alone claims it and the peer has
   not joined yet, cannot be had from it at all, distrusts that (peer, epoch, hash) claim (``distrust``): the
   claim no longer votes, is no target, and holds no gate; the peer then joins the swarm the other records
-  describe. A banned peer's records stop counting at once (``ban``: our averager banned it).
+  describe. Its holder stays a *suspect* as long: a claim it publishes next counts only where another peer we
+  trust holds the same state (a liar that made up a new claim after every refused sync kept us from ever
+  joining). A banned peer's records stop counting at once (``ban``: our averager banned it).
 - **Capped expirations** (``ExpirationCap``): a record may expire at most ``MAX_TTL`` seconds from now,
   on every key of the DHT, so nobody can pin a record (a stale lie, a fake peer) for days.
 - **Waits that liars can stretch are bounded**: the round gate by ``ready_timeout`` (a peer that claims
@@ -37,6 +39,7 @@ epoch N in every record it stores, with the hash of its real weights; its state 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -218,6 +221,8 @@ class SwarmProgress:
         """Peer id -> ``time.monotonic()`` at which its ban ends."""
         self._distrusted: dict[tuple[str, int, str], float] = {}
         """(peer id, epoch, state hash) claims whose state did not hold -> when we may try them again."""
+        self._suspects: dict[str, float] = {}
+        """Peer id -> until when its claims count only where another trusted peer confirms them (``distrust``)."""
         self.stats_provider: Callable[[], dict] | None = None
         """Returns the current ``PeerStats`` fields; called at every publication (the heartbeat included)."""
 
@@ -248,17 +253,24 @@ class SwarmProgress:
     def distrust(self, peer_id: str, epoch: int, state_hash: str, seconds: float = float("inf")) -> None:
         """Stop counting a claim (``peer_id`` holds ``state_hash`` at ``epoch``), for ``seconds``: the state it
         claims failed verification (for good) or could not be had (for a while: maybe the network). A claim is
-        forgotten once its peer publishes another one."""
-        self._distrusted[(peer_id, epoch, state_hash)] = time.monotonic() + seconds
+        forgotten once its peer publishes another one, but for as long the peer's next claims count only where
+        another peer we trust holds the same state: otherwise a liar could make up a new claim after every
+        refused sync and keep a peer that has not joined from ever joining."""
+        until = time.monotonic() + seconds
+        self._distrusted[(peer_id, epoch, state_hash)] = until
+        self._suspects[peer_id] = max(until, self._suspects.get(peer_id, until))
 
     def trusted(self, records: list[ProgressRecord]) -> list[ProgressRecord]:
-        """``records`` but those of banned peers and distrusted claims."""
+        """``records`` but those of banned peers, distrusted claims, and a suspect's claims no one else confirms."""
         now = time.monotonic()
         self._banned = {peer: until for peer, until in self._banned.items() if until > now}
+        self._suspects = {peer: until for peer, until in self._suspects.items() if until > now}
         claims = {(r.peer_id, r.epoch, r.state_hash) for r in records}
         self._distrusted = {c: until for c, until in self._distrusted.items() if until > now and c in claims}
-        return [r for r in records
+        kept = [r for r in records
                 if r.peer_id not in self._banned and (r.peer_id, r.epoch, r.state_hash) not in self._distrusted]
+        confirmed = collections.Counter((r.epoch, r.state_hash) for r in kept if r.peer_id not in self._suspects)
+        return [r for r in kept if r.peer_id not in self._suspects or confirmed[(r.epoch, r.state_hash)]]
 
     async def wait_for_round_end(self, epoch: int, timeout: float, should_stop=lambda: False,
                                  ready_only: bool = False) -> list[ProgressRecord]:
