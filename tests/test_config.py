@@ -396,6 +396,7 @@ def test_bad_environment_values_are_one_line_errors_naming_variable_and_value(na
     ("lie_epoch:1000", Faults(lie_epoch=1000)), ("lie_epoch:0", Faults(lie_epoch=0)),
     ("corrupt_state", Faults(corrupt="noise")), ("corrupt_state:noise", Faults(corrupt="noise")),
     ("corrupt_state:nan", Faults(corrupt="nan")), ("slow_serve:12.5", Faults(serve_delay=12.5)),
+    ("break_serve:5", Faults(serve_break_after=5)), ("stall_serve:0", Faults(serve_stall_after=0)),
 ])
 def test_each_fault_parses_to_its_plan(text, plan):
     assert Faults.parse(text) == plan
@@ -406,7 +407,8 @@ def test_each_fault_parses_to_its_plan(text, plan):
 @pytest.mark.parametrize("text", [
     "crash_in_allreduce:x", "crash_in_allreduce:0", "crash_in_allreduce", "crash:3", "poison:lots", "poison",
     "poison:", "lie_epoch:soon", "lie_epoch:-1", "lie_epoch", "corrupt_state:bits", "Poison:nan", " poison:nan",
-    "slow_serve", "slow_serve:0", "slow_serve:-1", "slow_serve:soon", "slow_serve:1e9",
+    "slow_serve", "slow_serve:0", "slow_serve:-1", "slow_serve:soon", "slow_serve:1e9", "stall_serve",
+    "stall_serve:-1", "stall_serve:x",
 ])
 def test_a_bad_fault_is_a_one_line_error_naming_it_and_the_good_ones(text):
     with pytest.raises(ConfigError) as err:

@@ -280,6 +280,29 @@ def test_a_donor_that_stalls_is_given_up_on_within_the_sync_timeout_and_the_next
     assert newcomer.sync.state_hash == good.sync.state_hash
 
 
+def test_a_donor_that_serves_then_stalls_is_given_up_on_and_the_next_one_sends_the_rest(peers, monkeypatch):
+    """A donor that sends 5 tensors, then nothing, its stream left open (fault ``stall_serve``): the newcomer gives
+    up on it within its sync timeout and the next donor sends the rest only; no offense (a stall may be the
+    network)."""
+    good, newcomer, staller = peers(), peers(), peers(faults=Faults.parse("stall_serve:5"))
+    good.advance(2)
+    assert asyncio.run(staller.sync.sync(good.target())).ok  # it holds (and publishes) the swarm's very state
+    monkeypatch.setattr(state_sync.random, "shuffle", lambda donors: None)  # the staller is tried first
+    started = time.monotonic()
+    result = asyncio.run(newcomer.sync.sync(Target(2, good.sync.state_hash, [staller.id, good.id])))
+    waited = time.monotonic() - started
+    assert result.ok and result.donor == good.id and result.attempts == 2, result
+    assert len(result.donor_errors) == 1 and result.donor_errors[0].startswith(f"donor {staller.id[-8:]}: ")
+    timeout = newcomer.sync.cfg.sync_timeout
+    assert timeout <= waited < timeout + 5, (waited, result)
+    state = [*good.outer.params, *good.outer.momentum_views]
+    rest = sum(t.numel() * 4 for t in state[5:])  # what the good donor sent: the rest, not the whole state again
+    assert rest <= result.bytes < rest + (state[0].numel() * 4) // 2, (rest, result.bytes)
+    assert newcomer.sync.state_hash == good.sync.state_hash == newcomer.sync._own_hash()
+    time.sleep(1.0)
+    assert newcomer.averager.offenses() == []
+
+
 def test_a_donor_that_trained_on_during_the_download_is_no_offense(peers):
     good, newcomer = peers(), peers()
     good.advance(2)

@@ -122,6 +122,7 @@ async def serve(averager, metadata: bytes, tensors: list[torch.Tensor], served: 
         for index, tensor in enumerate(tensors[first:], first):
             if index - first == averager.faults.serve_break_after:  # fault injection: a stream that breaks off
                 return
+            await averager.faults.stall_serving(index - first)  # fault injection: a donor that goes silent
             info, serialized = CompressionInfo.from_tensor(tensor, key=index), None
             if int(table[slot, FROZEN]) < 0:
                 serialized = compress(tensor, info, allow_inplace=False)  # a copy of one tensor, from the live one

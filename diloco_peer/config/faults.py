@@ -23,6 +23,8 @@ One fault at a time:
 - ``slow_serve:SECONDS``: wait that long before serving a state download (a newcomer is mid-sync meanwhile).
 - ``break_serve:K``: end every state download we serve after K tensors (a stream cut: the newcomer resumes
   from another donor).
+- ``stall_serve:K``: send K tensors of every state download we serve, then nothing, the stream left open (a
+  donor that serves, then stalls: the newcomer gives up within its sync timeout and resumes elsewhere).
 - ``refuse_round:N[,N...]``: refuse the group's average of round N (epoch N-1) after the all-reduce succeeded,
   as a peer whose check of the average fails: the others applied it, we did not (our weights leave theirs).
 """
@@ -41,10 +43,11 @@ from .schema import ConfigError
 
 FAULT_ENV = "DILOCO_PEER_FAULT"
 """The environment variable that switches a fault on (tests only); empty is the same as unset."""
-KINDS = ("crash_in_allreduce", "poison", "lie_epoch", "corrupt_state", "slow_serve", "break_serve", "refuse_round")
+KINDS = ("crash_in_allreduce", "poison", "lie_epoch", "corrupt_state", "slow_serve", "break_serve", "stall_serve",
+         "refuse_round")
 """The faults there are; a peer runs with one at most."""
 GRAMMAR = ("crash_in_allreduce:N, poison:nan|signflip|shape|weight|X, lie_epoch:N, corrupt_state[:nan], "
-           "slow_serve:SECONDS, break_serve:K, refuse_round:N[,N...]")
+           "slow_serve:SECONDS, break_serve:K, stall_serve:K, refuse_round:N[,N...]")
 """The values ``FAULT_ENV`` may take, as error messages show them."""
 
 
@@ -67,6 +70,8 @@ class Faults:
     """Seconds we wait before serving a state download (``slow_serve:S``): a newcomer is then mid-sync that long."""
     serve_break_after: int = -1
     """Tensors we send of a state download before its stream ends (``break_serve:K``); -1: all of them."""
+    serve_stall_after: int = -1
+    """Tensors we send of a state download before it stalls, open and silent (``stall_serve:K``); -1: never."""
     refuse_rounds: tuple[int, ...] = ()
     """Rounds (counted from 1) whose average we refuse after a successful all-reduce (``refuse_round``)."""
 
@@ -90,6 +95,8 @@ class Faults:
             return cls(serve_delay=delay)
         if kind == "break_serve" and sep and re.fullmatch(r"[0-9]+", arg):
             return cls(serve_break_after=int(arg))
+        if kind == "stall_serve" and sep and re.fullmatch(r"[0-9]+", arg):
+            return cls(serve_stall_after=int(arg))
         if kind == "refuse_round" and sep and re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)*", arg):
             return cls(refuse_rounds=tuple(int(n) for n in arg.split(",")))
         problem = f"unknown fault {_shorten(kind)!r}" if kind not in KINDS else f"bad argument for {kind}"
@@ -139,6 +146,12 @@ class Faults:
         """Before we serve a state download (``slow_serve:S``): wait S seconds, as a donor on a slow link would."""
         if self.serve_delay:
             await asyncio.sleep(self.serve_delay)
+
+    async def stall_serving(self, sent: int) -> None:
+        """While we serve a state download, ``sent`` tensors into it (``stall_serve:K``): from the K-th on, hang
+        with the stream open, as a donor that went silent mid-download would (until the downloader gives up)."""
+        if sent == self.serve_stall_after:
+            await asyncio.sleep(3600)
 
     def corrupt_state(self, weights: list) -> list:
         """The outer weights we serve to a state download (``corrupt_state``: off by 1e-3, or NaN). ``weights``
