@@ -98,6 +98,33 @@ def test_robust_mode_drops_a_sign_flipped_part_and_clips_to_the_median_norm():
     assert refused == [] and torch.allclose(result, base * 1.1 * 2 / 3 + base / 3, atol=1e-6)
 
 
+@pytest.mark.parametrize("factor", [1, 2, 3, 5, 9, 11])
+def test_a_sign_flip_at_any_factor_robust_refuses_and_mean_only_over_the_norm_limit(factor):
+    """A forked client sends -K times its part (a reducer's view; three honest senders, the reducer first).
+    ``robust`` refuses it at every K (by direction; over ``max_update_ratio``, 10x the reducer's own part, by
+    norm first) and averages the honest parts. ``mean`` refuses it only over the norm limit: from x1 to x9 the
+    flip is averaged in, the step along the honest mean shrinks by about (1 + K) / 4 and from x4 on reverses
+    (what mean mode cannot stop, SECURITY.md)."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(5000, generator=gen)
+    honest = [base + 0.5 * torch.randn(5000, generator=gen) for _ in range(4)]
+    parts = {s: (honest[s], 100.0) for s in range(3)} | {3: (-factor * honest[3], 100.0)}
+    honest_mean = sum(honest[:3]) / 3
+    along = lambda x: float(x @ honest_mean / (honest_mean @ honest_mean))  # noqa: E731  (1: the honest step)
+    over_limit = factor * honest[3].norm() > 10 * honest[0].norm()
+
+    result, refused = aggregate(parts, own=0, limits=Limits(robust=True))
+    assert [(s, p.kind) for s, p in refused] == [(3, "norm" if over_limit else "direction")], factor
+    assert 0.95 < along(result) < 1.05
+
+    result, refused = aggregate(parts, own=0, limits=Limits(robust=False))
+    if over_limit:
+        assert [(s, p.kind) for s, p in refused] == [(3, "norm")] and 0.95 < along(result) < 1.05, factor
+    else:
+        assert refused == [] and torch.allclose(result, (sum(honest[:3]) - factor * honest[3]) / 4, atol=1e-5)
+        assert along(result) < (0.8 if factor < 4 else 0.0), (factor, along(result))  # shrunk, then reversed
+
+
 def test_robust_mode_leaves_the_direction_of_tiny_parts_alone_and_clips_them():
     """A few dozen values point anywhere: honest 96-value norm weights had cosines of -0.02 to -0.12 with the
     median in a clean K=8 run and were refused. Parts under MIN_DIRECTION_VALUES are clipped, not refused."""
