@@ -14,7 +14,7 @@ from diloco_peer.config.faults import FAULT_ENV, NO_FAULTS, Faults
 from diloco_peer.state import state_sync
 from diloco_peer.state.state_sync import StateSync, Target, swarm_target
 from diloco_peer.swarm.progress import ProgressRecord, add_progress_validators, fetch_progress
-from diloco_peer.training.model import build_model, param_sha256
+from diloco_peer.training.model import build_model, param_sha256, state_digest
 from diloco_peer.training.outer_optimizer import OuterOptimizer
 
 SETS = ["averaging.sync_timeout=3.0", "averaging.matchmaking_time=2.0", "averaging.request_timeout=1.0"]
@@ -227,11 +227,14 @@ def test_an_honest_donor_named_by_a_forged_record_is_no_offender(peers):
     assert [(o["offender"], o["kind"]) for o in offenses] == [(bad.id, "state")], offenses
 
 
-@pytest.mark.parametrize("poison", ["momentum", "inner_step"])
+@pytest.mark.parametrize("poison", ["momentum", "inner_step", "momentum, self-consistent"])
 def test_a_donor_serving_the_true_weights_with_poisoned_momentum_or_lr_position_is_refused(peers, poison):
     """An attacker's client (its state provider replaced, not a fault hook) serves the swarm's weights and
     epoch with momentum x100 (it was accepted before: the newcomer's loss went to 87 against ~2.4), or with
-    another LR position."""
+    another LR position. It is refused either way; it is an offense when its reply contradicts itself (the hash
+    it sends with the state is the swarm's), and none when it also rewrites that hash and the tensor digests to
+    match its poison: then its reply is what it says, and only the record naming it lies, which anyone can forge
+    under its id (SECURITY.md). That claim is distrusted instead."""
     good, newcomer, bad = peers(), peers(), peers()
     good.advance(2)
     assert asyncio.run(bad.sync.sync(good.target())).ok and bad.sync.state_hash == good.sync.state_hash
@@ -240,10 +243,14 @@ def test_a_donor_serving_the_true_weights_with_poisoned_momentum_or_lr_position_
     def poisoned_state():
         metadata, tensors = honest_state()
         n = len(bad.outer.params)
-        if poison == "momentum":
+        if poison.startswith("momentum"):
             tensors[n:] = [t * 100 for t in tensors[n:]]
         else:
             metadata["inner_step"] += 7
+        if poison.endswith("self-consistent"):
+            digests = [param_sha256([t]) for t in tensors]
+            metadata = {**metadata, state_sync.DIGESTS: digests,
+                        "state_hash": state_digest(digests, metadata["epoch"], metadata["inner_step"])}
         return metadata, tensors
 
     bad.averager.averager.state_provider = poisoned_state
@@ -251,11 +258,13 @@ def test_a_donor_serving_the_true_weights_with_poisoned_momentum_or_lr_position_
     reason = "the state it sent (weights, momentum, epoch, LR position) does not match the hash it published"
     assert not result.ok and result.donor_errors == [f"donor {bad.id[-8:]} rejected: {reason}"], result
     assert newcomer.outer.epoch == 0 and newcomer.sync.state_hash != good.sync.state_hash  # ours untouched
-    offenses, deadline = [], time.monotonic() + 10
+    assert result.rejected == [bad.id]  # the claim that named it is distrusted (OuterRounds._distrust)
+    offenses, deadline = [], time.monotonic() + (3 if poison.endswith("self-consistent") else 10)
     while not offenses and time.monotonic() < deadline:
         time.sleep(0.1)
         offenses = newcomer.averager.offenses()
-    assert [(o["offender"], o["kind"]) for o in offenses] == [(bad.id, "state")], offenses
+    expected = [] if poison.endswith("self-consistent") else [(bad.id, "state")]
+    assert [(o["offender"], o["kind"]) for o in offenses] == expected, offenses
 
 
 def test_a_donor_that_stalls_is_given_up_on_within_the_sync_timeout_and_the_next_one_used(peers, monkeypatch):
