@@ -1,5 +1,6 @@
 """Who a group's leader leaves out before the group forms, when its members ban each other (group_bans.py)."""
 
+import asyncio
 import itertools
 
 import pytest
@@ -46,3 +47,48 @@ def test_no_member_kept_bans_another_and_every_leader_decides_alike(seed):
     # the same inputs in another order (another process, another dict order): the same decision
     for order in itertools.islice(itertools.permutations(members), 5):
         assert left_out({m: bans[m] for m in order}, leader="p0") == out
+
+
+def test_a_member_that_refuses_its_group_withdraws_and_nobody_waits_for_it(dhts, monkeypatch, capfd):
+    """The path the leave-out rule cannot cover: a leader lets in a peer that a member refuses (here an allowlist
+    only that member holds; a ban the leader does not know of, or a leader that ignores the rule, end the same
+    way). The member withdraws at once: it tells every member it sends nothing, their reducers drop it instead of
+    waiting a sender timeout, and its refusal leaves no unretrieved future behind. Leaders are pinned (each
+    averager accepts only ``a`` as its leader, patched before the averager processes fork) so that the group
+    forms as {a, b, c} every time."""
+    import torch
+
+    from diloco_peer.averaging.averager import RoundAverager
+    from diloco_peer.averaging.pseudo_gradient_averager import PseudoGradientAverager
+    from diloco_peer.config import AveragingConfig
+    from diloco_peer.swarm.admission import Admission
+
+    nodes = dhts(3)
+    a, b, c = (dht.peer_id.to_base58() for dht in nodes)
+    monkeypatch.setattr(PseudoGradientAverager, "_refuses_leader", lambda self, leader: leader.to_base58() != a)
+    cfg = AveragingConfig(matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=20.0, aggregation="mean")
+    shapes = [torch.Size([64, 64])] * 12
+    averagers = [RoundAverager(nodes[0], shapes, "refusal-run", cfg), RoundAverager(nodes[1], shapes, "refusal-run", cfg),
+                 RoundAverager(nodes[2], shapes, "refusal-run", cfg, admission=Admission(allowlist=frozenset({a, c})))]
+    inputs = [[torch.full(s, value) for s in shapes] for value in (1.0, 1.5, 2.0)]
+
+    async def one_round():
+        return await asyncio.wait_for(asyncio.gather(*(x.average(v, weight=100, epoch=0)
+                                                       for x, v in zip(averagers, inputs))), 60)
+
+    try:
+        results = asyncio.run(one_round())
+    finally:
+        for x in averagers:
+            x.shutdown()
+    on_a, on_b, on_c = results
+    assert not on_c.ok and "refused to average with this group" in on_c.error and b in on_c.error, on_c
+    assert [(o["offender"], o["kind"]) for o in on_c.offenses] == [(b, "unadmitted")], on_c.offenses
+    total = sum(s.numel() for s in shapes)
+    for result in (on_a, on_b):  # c's span kept each one's own values, the rest is a's and b's mean (1.25)
+        assert result.ok and result.group_size == 3 and 0 < result.values_not_averaged < total, result
+        averaged = torch.cat([t.flatten() for t in result.averaged])
+        assert int((averaged == 1.25).sum()) == total - result.values_not_averaged, result
+    # c's withdrawal reached the reducers at once: far below the sender timeout (allreduce_timeout / 2 = 10 s)
+    assert max(on_a.seconds, on_b.seconds) < cfg.allreduce_timeout / 4, (on_a.seconds, on_b.seconds)
+    assert "never retrieved" not in capfd.readouterr().err

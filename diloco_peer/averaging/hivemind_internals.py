@@ -64,6 +64,10 @@ INVENTORY = (
     PrivateUse(AVERAGER, "_step", "relies", "forbid_retries: a failed attempt is retried only while allow_retries",
                ("step",), "dfbb4416e9ebba51a120d9bc76a5eb30d844fe34fca4e52fc452f7761cfe67bf"),
     *_reads(CONTROL, "forbid_retries (written: False, in the averager process's copy)", "_allow_retries"),
+    PrivateUse(AVERAGER, "rpc_aggregate_part", "relies",
+               f"{_OURS}._refuse_group: a part for a group that is gone is answered BAD_GROUP_ID at once unless a new "
+               "matchmaking attempt cleared _pending_groups_registered (hence no retry after a refusal)",
+               ("stream", "context"), "06ad9597d5884df8ff5bfd5e8b26db44865737e589807e4a87edcc766da5f017"),
     PrivateUse(AVERAGER, "_run_internal", "relies",
                "send_to_averager_process: a (method, args, kwargs) on the pipe runs as a task in the averager process",
                (), "8f85686e1ccd3eb0c11e362ce4aa1a877e378f98d47393a6fbd45e598626b5d3"),
