@@ -139,7 +139,9 @@ def test_a_swarm_computes_exactly_what_the_simulator_computes(local_swarm, overl
               # loaded machine a 1 s request timeout can make one peer give up on a group the other one formed)
               "averaging.matchmaking_time=4.0", "averaging.request_timeout=2.0",
               # the bound below is the plain mean's, pinned (robust ran 7.7e-11, 6.7e-9, 2.09e-6 here once)
-              "averaging.aggregation=mean"]
+              "averaging.aggregation=mean",
+              # eager: rounds long enough that an average arrives while the next round trains (after ~2 s)
+              *(["outer.inner_steps=30"] if overlap == "eager" else [])]
     local_swarm.start_bootstrap()
     procs = [local_swarm.start_peer(name, *common, f"data.shard={i}", f"inner.batch_size={batches[i]}",
                                     env={"DILOCO_PEER_FAULT": "refuse_round:2"} if name == "a" else None)
