@@ -16,9 +16,12 @@ it in the background and go straight on training the next round; the exchange of
 4-5) at the end of round t+1. Meanwhile the replica trains from the outer weights plus what
 ``training.outer_optimizer.overlap_offset`` puts on top: ``"eager"`` the outer step this peer predicts from
 its own fresh pseudo-gradient (Kale et al. 2025's eager updates), ``"delayed"`` (DiLoCoX's one-step delay)
-its own progress as it is. When the average arrives it replaces that stand-in. The outer weights of peers
-that averaged together stay bit-identical in every mode; ``diloco-peer simulate --overlap eager`` computes
-the same updates.
+its own progress as it is. The average replaces that stand-in as soon as it arrives: between two inner steps
+of round t+1 the replica moves onto where the average will put the outer weights, with the progress made since
+on top (``arrival.py``, ``outer.apply_on_arrival``; the ``round`` event's ``arrived_step`` says at which inner
+step, absent: at the round's end). The outer step itself still happens at the end of round t+1. The outer
+weights of peers that averaged together stay bit-identical in every mode; ``diloco-peer simulate --overlap
+eager`` computes the same updates (``run_diloco(arrival=...)`` for the steps the average arrived at).
 
 Epochs (overlapped): after applying round t's average the outer weights are at epoch t; the record says
 ``epoch t, ready, round t+1`` while round t+1 trains, and the gate of epoch t waits for the peers whose
@@ -43,6 +46,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
+from .arrival import EarlyAverage, progress_since, replica_copy
 from .averaging.averager import RoundAverager, RoundResult
 from .averaging.robust_aggregation import refuse_update
 from .config import PeerConfig
@@ -50,7 +54,7 @@ from .observe.events import EventLog
 from .round_record import Exchange, InnerResult, RoundRecord
 from .state.state_sync import StateSync, swarm_target
 from .swarm.progress import ReadyDecision, SwarmProgress
-from .training.outer_optimizer import OuterOptimizer, overlap_offset
+from .training.outer_optimizer import OuterOptimizer, evaluate_outer, overlap_offset
 from .training.trainer import ComputeThread, Trainer
 
 logger = logging.getLogger("diloco_peer")
@@ -86,6 +90,8 @@ class OuterRounds:
         """Overlapped modes: the exchange of the last round's progress, running while this round trains."""
         self.sent: list[torch.Tensor] = []
         """The pseudo-gradient ``pending`` averages (a solo step applies it if the all-reduce fails)."""
+        self.early = EarlyAverage(cfg, outer, averager.faults)
+        """Overlapped: applies ``pending``'s average to the replica as soon as it arrives."""
         self.last_sync_epoch = -1
         """The outer epoch our last state sync brought us to."""
         self.last_log = time.monotonic()
@@ -108,14 +114,14 @@ class OuterRounds:
         """One round. None if stopped, if the round was replaced by a state sync, or (delayed) if there was
         no exchange to conclude yet (the first round after starting or syncing)."""
         H = self.cfg.outer.inner_steps
-        start = await self._compute.run(_cpu_copy, self.trainer.model) if self.overlapped else None
-        inner = await self._inner_steps(self.trainer.step // H if self.overlapped else self.outer.epoch)
+        start = await self._compute.run(replica_copy, self.trainer.model) if self.overlapped else None
+        inner = await self._inner_steps(self.trainer.step // H if self.overlapped else self.outer.epoch, start)
         if self.should_stop():
             return None
         if not self.overlapped:  # blocking: the exchange is awaited at once, nothing is left unsent
             self._launch(await self._compute.run(self.outer.pseudo_gradient), inner.tokens)
             return await self._conclude(inner, unsent=None)
-        unsent = await self._compute.run(_progress_since, self.trainer.model, start)
+        unsent = await self._compute.run(progress_since, self.trainer.model, start)
         record = await self._conclude(inner, unsent)
         self._launch([-d for d in unsent], inner.tokens)  # start - end, like ``outer - replica``
         return record
@@ -126,16 +132,22 @@ class OuterRounds:
             return True
         return False
 
-    async def _inner_steps(self, epoch: int) -> InnerResult:
-        """The H inner steps of ``epoch``, in chunks so that progress shows between them."""
+    async def _inner_steps(self, epoch: int, start: list[torch.Tensor] | None) -> InnerResult:
+        """The H inner steps of ``epoch``, in chunks so that progress shows between them. Overlapped (``start``:
+        the replica at the round's start), the last round's average is applied as soon as it arrives."""
         trainer, H = self.trainer, self.cfg.outer.inner_steps
         chunk = max(1, H // PROGRESS_EVENTS_PER_ROUND)
         tokens, compute, weighted_loss = 0, 0.0, 0.0
         bar = tqdm(total=H, initial=trainer.step - epoch * H, desc=f"round {epoch + 1}", unit="step", leave=False,
                    dynamic_ncols=True, disable=not self.tty)
+        arrived = self.early.due if start is not None else lambda: False
         while trainer.step - epoch * H < H and not self.should_stop():
+            if arrived():
+                await self._compute.run(self.early.apply, start, trainer.step - epoch * H)
             todo = min(chunk, H - (trainer.step - epoch * H))
-            stats = await self._compute.run(trainer.train_steps, todo, self.should_stop)
+            stats = await self._compute.run(trainer.train_steps, todo, lambda: self.should_stop() or arrived())
+            if not stats.steps:
+                continue
             tokens, compute = tokens + stats.tokens, compute + stats.seconds
             weighted_loss += stats.loss * stats.steps
             self.progress.record = self.progress.record.copy(update={"inner_step": trainer.step})  # heartbeat
@@ -157,6 +169,7 @@ class OuterRounds:
     def _launch(self, pseudo_gradient: list[torch.Tensor], tokens: int) -> None:
         self.sent = pseudo_gradient
         self.pending = asyncio.create_task(self._exchange(pseudo_gradient, tokens, self.outer.epoch))
+        self.early.watch(self.pending)
 
     async def _exchange(self, pseudo_gradient: list[torch.Tensor], tokens: int, epoch: int) -> Exchange:
         """Publish "ready" for ``epoch``, wait at the gate, then average with the ready peers (if any)."""
@@ -229,7 +242,10 @@ class OuterRounds:
             # peer that died mid-round stops counting when its record expires, after 3 heartbeats)
             await self._rebase(unsent, await self._round_end(epoch, extra=3 * self.cfg.averaging.heartbeat),
                                ours_now=True)
-        eval_loss = await self._compute.run(self._evaluate_outer if unsent is not None else self.trainer.evaluate)
+        if unsent is None:
+            eval_loss = await self._compute.run(self.trainer.evaluate)
+        else:  # overlapped: the outer weights' loss (the replica holds them plus the unsent progress)
+            eval_loss = await self._compute.run(evaluate_outer, self.outer, self.trainer.evaluate)
         return RoundRecord(
             peer=self.name, round=self.outer.epoch, epoch=epoch, outcome=outcome, group_size=result.group_size,
             group_epochs=result.group_epochs, ready_peers=decision.ready, alive_peers=decision.alive,
@@ -238,7 +254,8 @@ class OuterRounds:
             values_not_averaged=result.values_not_averaged, error=result.error, tokens=inner.tokens,
             compute_seconds=inner.compute_seconds, train_loss=inner.train_loss, eval_loss=eval_loss,
             inner_lr=self.trainer.current_lr(), outer_lr=self.cfg.outer.lr, inner_step=self.trainer.step,
-            param_sha256=self.sync.state_hash, overlap_wait_seconds=overlap_wait if self.overlapped else None)
+            param_sha256=self.sync.state_hash, overlap_wait_seconds=overlap_wait if self.overlapped else None,
+            arrived_step=self.early.step)
 
     async def _first_round(self, unsent: list[torch.Tensor]) -> None:
         if self.last_sync_epoch == self.outer.epoch:
@@ -283,17 +300,6 @@ class OuterRounds:
         with torch.no_grad():
             for p, o, d in zip(self.trainer.model.parameters(), self.outer.params, on_top):
                 p.copy_((o + d).to(p.device, p.dtype))
-
-    def _evaluate_outer(self) -> float:
-        """Eval loss of the outer weights (the replica holds outer + unsent progress: put it back after)."""
-        live = [p.detach().clone() for p in self.trainer.model.parameters()]
-        self.outer.load_into_model()
-        try:
-            return self.trainer.evaluate()
-        finally:
-            with torch.no_grad():
-                for p, saved in zip(self.trainer.model.parameters(), live):
-                    p.copy_(saved)
 
     def report_offenses(self, result: RoundResult) -> None:
         """Log the contributions our averager refused (metrics count them, by kind, from the event log)."""
@@ -389,11 +395,3 @@ class OuterRounds:
             logger.warning(f"state sync: the state of epoch {target.epoch} that {len(others)} peer(s) claim could "
                            f"not be had; joining the swarm the other peers describe")
             await self.progress.publish(joined=True)
-
-
-def _cpu_copy(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.detach().to("cpu", torch.float32, copy=True) for p in model.parameters()]
-
-
-def _progress_since(model: torch.nn.Module, start: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [p.detach().to("cpu", torch.float32) - s for p, s in zip(model.parameters(), start)]

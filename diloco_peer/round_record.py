@@ -62,6 +62,9 @@ class RoundRecord:
     round_seconds: float = 0.0
     overlap_wait_seconds: float | None = None
     """Delayed mode: how long the end of the round waited for the exchange launched a round earlier."""
+    arrived_step: int | None = None
+    """Overlapped, ``outer.apply_on_arrival``: the inner step of the next round at which this round's average
+    reached the replica (``arrival.py``); None (absent from the event): at the end of that round."""
     first_contribution_seconds: float | None = None
     """Set on the first round this peer averaged with others: seconds from process start."""
 

@@ -96,6 +96,30 @@ def test_baselines_train_and_eager_overlap_keeps_blocking_quality():
     assert rounds * 2 * 1.0 * values < eager.bytes_per_replica < rounds * 2 * 1.01 * values
 
 
+def test_an_average_applied_as_it_arrives_computes_what_blocking_computes():
+    """Eager rounds with the average applied to the replicas before the next round's first inner step (d = 0)
+    are blocking rounds, up to float rounding (at the same outer lr): the outer weights of epoch r, one round
+    later. With d = H (the round's end) they are the eager rounds of before, exactly."""
+    sets = [*GOLDEN_SETS, "data.max_bytes=300_000", "outer.lr=0.7"]
+    rounds = 3
+    weights = {}
+
+    def keep(name):
+        return lambda rnd, params: weights.setdefault(name, {}).update({rnd: [p.clone() for p in params]})
+
+    blocking = run_diloco(load_config(None, sets), 2, rounds, on_round=keep("blocking"))
+    eager_cfg = load_config(None, [*sets, "outer.overlap=eager"])
+    early = run_diloco(eager_cfg, 2, rounds, overlap="eager", arrival=0, on_round=keep("eager"))
+    for r in range(1, rounds):  # eager's outer weights lag one round (the average of round r arrives in r+1)
+        assert _mean_abs_difference(weights["eager"][r + 1], weights["blocking"][r]) < 1e-6, r
+    assert early.eval_loss[1:-1] == pytest.approx(blocking.eval_loss[:-2], abs=1e-5)
+    assert early.eval_loss[-1] == pytest.approx(blocking.eval_loss[-1], abs=1e-5)  # the last average, applied
+    at_end = run_diloco(eager_cfg, 2, rounds, overlap="eager", arrival=eager_cfg.outer.inner_steps)
+    default = run_diloco(eager_cfg, 2, rounds, overlap="eager")
+    assert at_end.eval_loss == default.eval_loss
+    assert abs(default.eval_loss[-1] - early.eval_loss[-1]) > 1e-4  # the arrival step matters
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", ["blocking", "eager"])
 def test_a_swarm_computes_exactly_what_the_simulator_computes(local_swarm, overlap):
@@ -105,7 +129,9 @@ def test_a_swarm_computes_exactly_what_the_simulator_computes(local_swarm, overl
     weights (the peers' batch sizes differ), 3 rounds (the outer momentum of the earlier ones), and a round
     that fails for one peer (round 2: peer a refuses the average b applied and takes b's state instead, which
     must leave no trace). Eager overlap too: there the outer weights of epoch r are what the simulator holds
-    after round r + 1 (the average of round r is applied at the end of the next one)."""
+    after round r + 1 (the average of round r is applied at the end of the next one), and each peer's replica
+    took that average at the inner step of round r + 1 its ``round`` event names (``arrived_step``), which the
+    simulator is told."""
     rounds, batches = 3, (8, 4)
     common = [f"outer.overlap={overlap}", "averaging.compression=int8", "checkpoint.keep=10",
               "data.num_shards=2", f"run.max_rounds={rounds}", "averaging.ready_timeout=10.0",
@@ -113,7 +139,9 @@ def test_a_swarm_computes_exactly_what_the_simulator_computes(local_swarm, overl
               # loaded machine a 1 s request timeout can make one peer give up on a group the other one formed)
               "averaging.matchmaking_time=4.0", "averaging.request_timeout=2.0",
               # the bound below is the plain mean's, pinned (robust ran 7.7e-11, 6.7e-9, 2.09e-6 here once)
-              "averaging.aggregation=mean"]
+              "averaging.aggregation=mean",
+              # eager: rounds long enough that an average arrives while the next round trains (after ~2 s)
+              *(["outer.inner_steps=30"] if overlap == "eager" else [])]
     local_swarm.start_bootstrap()
     procs = [local_swarm.start_peer(name, *common, f"data.shard={i}", f"inner.batch_size={batches[i]}",
                                     env={"DILOCO_PEER_FAULT": "refuse_round:2"} if name == "a" else None)
@@ -125,6 +153,9 @@ def test_a_swarm_computes_exactly_what_the_simulator_computes(local_swarm, overl
 
     cfg = load_config(None, [*FAST, *common])
     lag = overlap == "eager"
+    # round r's average reached peer i's replica at inner step d of round r + 1 (absent: at its end)
+    arrival = {(e["round"] + 1, i): e.get("arrived_step") for i, n in enumerate("ab")
+               for e in local_swarm.events(n) if e["event"] == "round"}
     swarm = {}
     for r in range(1, rounds + 1):
         states = [load_file(local_swarm.workdir / "checkpoints" / n / f"epoch-{r:06d}.pt", cfg.fingerprint())
@@ -138,7 +169,7 @@ def test_a_swarm_computes_exactly_what_the_simulator_computes(local_swarm, overl
         if rnd in swarm:
             diffs[rnd] = _mean_abs_difference(params, swarm[rnd])
 
-    run_diloco(cfg, 2, rounds + lag, codec="int8", overlap=overlap, on_round=compare, inner=inner)
+    run_diloco(cfg, 2, rounds + lag, codec="int8", overlap=overlap, on_round=compare, inner=inner, arrival=arrival)
     assert sorted(diffs) == list(range(1 + lag, rounds + 1 + lag))
     # float summation order differs (the all-reduce sums parts, weighted by tokens): ~1e-8 after one round;
     # AdamW divides by sqrt(v) and magnifies it over the inner steps, and now and then it moves a value across an
@@ -147,9 +178,10 @@ def test_a_swarm_computes_exactly_what_the_simulator_computes(local_swarm, overl
     # and the comparison can tell DiLoCo variants apart: equal weights (both peers' batch) do not match
     other = {}
     first = 1 + lag
-    run_diloco(cfg, 2, first, codec="int8", overlap=overlap, inner=[inner[0], inner[0]],
+    run_diloco(cfg, 2, first, codec="int8", overlap=overlap, inner=[inner[0], inner[0]], arrival=arrival,
                on_round=lambda rnd, params: rnd == first and other.update(d=_mean_abs_difference(params, swarm[first])))
     assert other["d"] > 20 * max(diffs.values()), (other, diffs)
+    print(f"arrived at inner steps {arrival}, differences {diffs}")
 
 
 def _mean_abs_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

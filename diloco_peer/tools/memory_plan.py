@@ -237,7 +237,7 @@ def _round_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
         rows += [_row("replica at the round's start (overlap)", "outer_round.py OuterRounds._round (_cpu_copy)",
                       "resident", cpu=p, gpu_host=p),
                  _row("unsent progress, eager step, eval copy", "outer_round.py _progress_since, "
-                      "OuterOptimizer.lookahead, OuterRounds._evaluate_outer", "conclude", cpu=3 * p, gpu_host=3 * p)]
+                      "OuterOptimizer.lookahead, evaluate_outer", "conclude", cpu=3 * p, gpu_host=3 * p)]
     return rows
 
 

@@ -20,7 +20,11 @@ round t (weights at the start of the round minus weights at its end). It is aver
 trains; at the end of round t+1 the outer step applies the average of round t to the outer weights, and
 the replica continues from them plus ``overlap_offset``: ``eager``, the outer step it predicts from its own
 pseudo-gradient of round t+1 (not sent yet); ``delayed`` (DiLoCoX's one-step delay), that progress as it
-is. Blocking mode (the default) waits for the average and restarts every round from the outer weights.
+is. ``arrival`` says when the average of round t reaches the replicas while round t+1 trains (as
+``outer.apply_on_arrival`` does in the swarm): after d of its H inner steps the replica moves onto where the
+average puts the outer weights, keeping its progress since (``correct_on_arrival``); by default d = H, the round's
+end. The outer step itself is taken at the round's end either way. d = 0 computes what blocking rounds compute.
+Blocking mode (the default) waits for the average and restarts every round from the outer weights.
 
 Aggregation is the swarm's own: the pseudo-gradients are cut into the parts hivemind's all-reduce sends
 (``TensorPartContainer``, with ``averaging.part_size_bytes`` and the wire codec's size estimate), replica j
@@ -67,7 +71,7 @@ from ..config import AveragingConfig, InnerConfig, PeerConfig
 from ..observe.report import save_figure
 from ..training.data import Corpus
 from ..training.model import build_model
-from ..training.outer_optimizer import OuterOptimizer, overlap_offset
+from ..training.outer_optimizer import OuterOptimizer, correct_on_arrival, evaluate_outer, overlap_offset
 from ..training.trainer import Trainer
 
 
@@ -143,11 +147,18 @@ def _replicas(cfg: PeerConfig, replicas: int, init: dict[str, torch.Tensor] | No
 
 
 def _local_round(trainer: Trainer, outer: OuterOptimizer, fb: ErrorFeedback | None, start: list[torch.Tensor],
-                 wire, overlap: str, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
+                 wire, overlap: str, steps: int, arrived: tuple[int, list[torch.Tensor]] | None = None
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
     """One replica's part of a round: ``steps`` inner steps, then its pseudo-gradient as the averager holds it
     (with error feedback: already through the codec) and as it arrives after crossing the wire; returns both,
-    its encoded size in bytes and the tokens trained on."""
-    tokens = trainer.train_steps(steps).tokens
+    its encoded size in bytes and the tokens trained on. ``arrived``: (d, the previous round's average), applied
+    to the replica after d inner steps (overlapped; ``start`` moves with it)."""
+    tokens = 0
+    if arrived is not None and arrived[0] < steps:
+        tokens += trainer.train_steps(arrived[0]).tokens
+        correct_on_arrival(outer, arrived[1], start)
+        steps -= arrived[0]
+    tokens += trainer.train_steps(steps).tokens
     if overlap == "blocking":
         delta = outer.pseudo_gradient()
     else:  # this round's own progress
@@ -219,12 +230,25 @@ def _apply_overlapped(trainers: list[Trainer], outers: list[OuterOptimizer], sta
                 p.add_(d)
 
 
+def arrival_step(arrival, rnd: int, replica: int, H: int) -> int:
+    """The inner step of round ``rnd`` at which replica ``replica`` applies the previous round's average:
+    ``arrival`` is None (the round's end, H), an int for all, a dict ``{(rnd, replica): d}`` (missing or None:
+    H) or a callable ``(rnd, replica) -> d``; clamped to 0..H."""
+    if callable(arrival):
+        d = arrival(rnd, replica)
+    else:
+        d = arrival.get((rnd, replica)) if isinstance(arrival, dict) else arrival
+    return H if d is None else max(0, min(H, int(d)))
+
+
 def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none", overlap: str = "blocking",
                error_feedback: bool = False, on_round=None, init: dict[str, torch.Tensor] | None = None,
-               inner: list[InnerConfig] | None = None) -> SimRun:
+               inner: list[InnerConfig] | None = None, arrival=None) -> SimRun:
     """K replicas for ``rounds`` outer rounds, from ``init`` (see ``pretrain``) or from scratch.
     ``on_round(round, outer_params)`` is called after each round. ``inner``: each replica's inner config, for
-    peers that differ (e.g. batch sizes, so that their pseudo-gradients weigh differently); default ``cfg.inner``."""
+    peers that differ (e.g. batch sizes, so that their pseudo-gradients weigh differently); default ``cfg.inner``.
+    ``arrival`` (overlapped): the inner step d of round r at which replica i applies round r-1's average
+    (``arrival_step``: an int, a dict ``{(r, i): d}`` or a callable; default the round's end, d = H)."""
     started = time.perf_counter()
     wire = get_codec(codec)
     aggregation = cfg.averaging.aggregation
@@ -238,9 +262,10 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
     for rnd in range(1, rounds + 1):
         starts = [[p.detach().clone() for p in t.model.parameters()] for t in trainers]
         weights, own, sent = [], [], []
-        for trainer, outer, fb, start in zip(trainers, outers, feedback, starts):
+        for i, (trainer, outer, fb, start) in enumerate(zip(trainers, outers, feedback, starts)):
+            arrived = None if pending is None else (arrival_step(arrival, rnd, i, cfg.outer.inner_steps), pending)
             held, delta, size, trained = _local_round(trainer, outer, fb, start, wire, overlap,
-                                                      cfg.outer.inner_steps)
+                                                      cfg.outer.inner_steps, arrived)
             tokens += trained
             weights.append(trained)
             own.append(held)
@@ -260,7 +285,7 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
         if on_round is not None:
             on_round(rnd, outers[0].params)
         run.tokens.append(tokens)
-        run.eval_loss.append(_eval_outer(trainers[0], outers[0]))
+        run.eval_loss.append(evaluate_outer(outers[0], trainers[0].evaluate))
     if pending is not None:  # delayed: the last round's average arrives after the run; apply it to score
         for outer in outers:
             outer.step(pending)
@@ -278,17 +303,6 @@ def _roundtrip_all(codec, tensors):
         out.append(restored)
         total += size
     return out, total
-
-
-def _eval_outer(trainer: Trainer, outer: OuterOptimizer) -> float:
-    """Eval loss of the outer weights (in delayed mode the replica holds outer + local progress)."""
-    live = [p.detach().clone() for p in trainer.model.parameters()]
-    outer.load_into_model()
-    loss = trainer.evaluate()
-    with torch.no_grad():
-        for p, saved in zip(trainer.model.parameters(), live):
-            p.copy_(saved)
-    return loss
 
 
 def run_baseline(cfg: PeerConfig, kind: str, replicas: int, rounds: int,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -154,16 +154,19 @@ class OuterOptimizer:
         Nesterov: ``-lr * ((1 + m) * g + m^2 * buf)``; classic momentum: ``-lr * (g + m * buf)``; plain SGD
         ``-lr * g``, where ``buf`` is the momentum buffer as it is now (zeros before the first step, as in
         ``step``). Every peer adds its own to the same outer weights; the true average replaces it later."""
-        m, out = self.momentum, []
-        for p, g, buf in zip(self.params, estimate, self.momentum_views):
+        return list(self.lookahead_each(estimate))
+
+    def lookahead_each(self, estimate: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """``lookahead``, one tensor at a time (no full-model temporary where the caller consumes each at once)."""
+        m = self.momentum  # (no grad mode switched here: a generator would leave it switched between items)
+        for g, buf in zip(estimate, self.momentum_views):
             g = g.to(torch.float32)
             if not m:
-                out.append(-self.lr * g)
+                yield -self.lr * g
             elif self.nesterov:
-                out.append(-self.lr * ((1 + m) * g + (m * m) * buf))
+                yield -self.lr * ((1 + m) * g + (m * m) * buf)
             else:
-                out.append(-self.lr * (g + m * buf))
-        return out
+                yield -self.lr * (g + m * buf)
 
     @torch.no_grad()
     def load_into_model(self) -> None:
@@ -212,3 +215,31 @@ def overlap_offset(outer: OuterOptimizer, mode: str, progress: list[torch.Tensor
     if mode == "delayed":
         return progress
     return outer.lookahead([-d for d in progress])
+
+
+@torch.no_grad()
+def correct_on_arrival(outer: OuterOptimizer, average: list[torch.Tensor], start: list[torch.Tensor]) -> None:
+    """Overlapped rounds: the last round's ``average`` arrived while this round trains; move the replica
+    (``outer.model``) onto where it puts it. The round started at ``start`` (outer weights + the stand-in,
+    ``overlap_offset``); the average's outer step will take the outer weights to ``target = outer +
+    lookahead(average)`` (the displacement ``step(average)`` makes at the round's end): ``replica += target -
+    start`` and ``start := target``, tensor by tensor, so that ``replica - start`` stays this round's progress,
+    now relative to the true outer weights. The outer weights, momentum and epoch do not change here (the swarm
+    and ``diloco-peer simulate`` both call this)."""
+    for p, s, o, step in zip(outer.model.parameters(), start, outer.params, outer.lookahead_each(average)):
+        target = o + step
+        p.add_((target - s).to(p.device, p.dtype))
+        s.copy_(target)
+
+
+@torch.no_grad()
+def evaluate_outer(outer: OuterOptimizer, evaluate: Callable[[], float]) -> float:
+    """``evaluate()`` on the outer weights: an overlapped replica holds them plus its own progress, which is
+    put back afterwards."""
+    live = [p.detach().clone() for p in outer.model.parameters()]
+    outer.load_into_model()
+    try:
+        return evaluate()
+    finally:
+        for p, saved in zip(outer.model.parameters(), live):
+            p.copy_(saved)
