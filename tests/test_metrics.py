@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_cli import GOOD_ADDR
 
 from diloco_peer.observe.metrics import PeerMetrics
+from diloco_peer.swarm.progress import PeerStats
 
 START = {"event": "start", "time": 100.0, "peer": "p0", "peer_id": "12D3KooWtest", "fingerprint": "abc", "epoch": 0,
          "eval_loss": 5.2}
@@ -86,6 +87,11 @@ def test_events_drive_the_metrics():
     m.observe({"event": "stop", "time": 120.0})
     assert _value(m, "diloco_peer_up") == 0 and m.status["status"] == "leaving"
     assert m.swarm_stats()["state"] == "leaving"
+    # a diverged replica's losses go to the record as unknown: its schema refuses NaN (a peer crashed on it)
+    m._last.update(train_loss=float("nan"), eval_loss=float("inf"))
+    stats = m.swarm_stats()
+    assert stats["train_loss"] is None and stats["eval_loss"] is None
+    PeerStats(**stats)
 
 
 def test_overlapped_rounds_count_only_the_wait_as_communication_time():

@@ -7,13 +7,16 @@ own process, with exact results, checked numbers, admission and bans) and turns 
 A round that cannot find a group or whose all-reduce fails returns ``ok=False`` with the reason; the
 caller then takes a solo outer step. Nothing here raises into the training loop.
 
-Memory: one buffer of the model's size in shared memory, made before the averager process forks: ``inputs``,
-the pseudo-gradient we send (``OuterOptimizer.pseudo_gradient`` writes it there, so no copy of it is made), and
-the average too: each averaged part is written over the part of our pseudo-gradient it averages, once that part
-was sent (``allreduce.py``), and the result hands the buffer out as it is. It gives its memory back between
-rounds (``release``): 4 bytes per parameter during a round, none while the replica trains. A lent ``inputs``
-buffer (the replica's memory, blocking rounds on a CPU) is not ours to release: there the round needs no memory
-of its own at all.
+Memory: two buffers of the model's size in shared memory, made before the averager process forks: ``inputs``
+(the pseudo-gradient we send: ``OuterOptimizer.pseudo_gradient`` writes it there, so no copy of it is made) and
+the averager's own tensors, where the all-reduce writes the average (the result hands them out as they are).
+Both give their memory back between rounds (``release``): 8 bytes per parameter during a round, none while
+the replica trains; 4 where ``inputs`` is lent (the replica's memory, blocking rounds on a CPU).
+
+The average is never written over what we sent: a round that fails, or whose average we refuse, falls back on
+a solo step with our own pseudo-gradient (if the others have no state to take), and that must still be ours.
+(Written in place, a refused average, a forked client's NaNs included, went into that solo step: seen in
+``test_bad_peers.py``.)
 """
 
 from __future__ import annotations
@@ -62,9 +65,8 @@ class RoundResult:
     ok: bool
     """True if the pseudo-gradient was averaged with at least one other peer."""
     averaged: list[torch.Tensor] | None = None
-    """The average, in the buffer our pseudo-gradient was sent from (written over it): valid until it is released
-    (``RoundAverager.release``, after the outer step that consumes it) or the next round; where the daemon lent the
-    replica, its memory (valid until the replica is reloaded from the outer weights)."""
+    """The average: the averager's own buffers, valid until they are released (``RoundAverager.release``, after
+    the outer step that consumes them) or the next round."""
     group_size: int = 1
     group_epochs: list[int] = field(default_factory=list)
     seconds: float = 0.0
@@ -95,9 +97,7 @@ class RoundAverager:
     :param faults: fault injection, for the tests only (``config/faults.py``): passed on to the averager process
     :param inputs: the buffer our pseudo-gradient is sent from (``flat_tensors(shapes, shared=True)``), if not our
       own: the daemon's blocking rounds on a CPU lend the replica's memory (it is reloaded after every round
-      anyway); it is never released here. The average is written over what we sent, in either buffer: a caller
-      that sent ``inputs`` itself (``OuterOptimizer.pseudo_gradient`` wrote it there) and takes a solo step after
-      a round that failed mid-way gets what is there, averaged parts and ours
+      anyway), and a lent buffer is never released here
     """
 
     def __init__(self, dht: DHT, shapes: list[torch.Size], run_id: str, cfg: AveragingConfig,
@@ -111,15 +111,16 @@ class RoundAverager:
         self._in_flight = False  # an all-reduce may be using the buffers: they must not be released
         self._sent_norm = 0.0
         self._owns_inputs = inputs is None
-        # before the fork: the averager process reads them, and writes the average over them
+        # before the fork: the averager process reads them
         self._inputs = flat_tensors(shapes, shared=True) if inputs is None else inputs
+        self._outputs = flat_tensors(shapes, shared=True)  # where the all-reduce writes the average
         # installed before the averager process forks, so that it applies there
         averager_logger = logging.getLogger("hivemind.averaging.averager")
         if not any(isinstance(f, _ExpectedFailuresInOneLine) for f in averager_logger.filters):
             averager_logger.addFilter(_ExpectedFailuresInOneLine())
         with keeping_our_sigint():  # hivemind would leave Ctrl+C ignored in this process
             self.averager = PseudoGradientAverager(
-                self._inputs,
+                self._outputs,
                 dht,
                 prefix=f"{run_id}_outer",
                 start=True,
@@ -159,6 +160,7 @@ class RoundAverager:
         try:
             if self._owns_inputs:
                 release_pages(self._inputs)
+            release_pages(self._outputs)
         finally:
             lock.release()
 

@@ -344,9 +344,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         )
         internals.running_group(self, group_id).set_result(runner)
         # the runner reads our pseudo-gradient from ``inputs`` and the averages go to ``tensors``: a retry after a
-        # failure (hivemind retries with the same tensors) reads our own values again, and no copy is needed. Unless
-        # they are one buffer (as RoundAverager runs it: 4 bytes per parameter less): then averages written over
-        # part of our values must not be sent as ours, and the step fails instead (healed as any failed round)
+        # failure (hivemind retries with the same tensors) reads our own values again, and no copy is needed. Were
+        # they one buffer, averages written over part of our values must not be sent as ours: the step fails instead
         written = 0
         try:
             async for tensor, averaged in azip(as_aiter(*tensors), runner):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from .. import __version__
 from ..averaging.robust_aggregation import OFFENSE_KINDS
+from ..swarm.progress import MAX_LOSS
 from ..config import ConfigError, MetricsConfig
 from ..swarm.reachability import MODES
 
@@ -116,10 +118,13 @@ class PeerMetrics:
             handler(event)
 
     def swarm_stats(self) -> dict:
-        """The ``PeerStats`` fields the progress record carries to the swarm monitor."""
+        """The ``PeerStats`` fields the progress record carries to the swarm monitor. A loss the record's schema
+        cannot carry (NaN, inf: a replica that diverged) goes as unknown: publishing the record must not fail."""
+        losses = {k: v if v is not None and math.isfinite(v) and 0 <= v <= MAX_LOSS else None
+                  for k, v in self._last.items()}
         return {"name": self.name, "state": self.state, "reach": self.reach,
                 "tokens_per_second": float(self.tokens_per_second),
-                **self._last, **{f"rounds_{outcome}": n for outcome, n in self._rounds.items()}}
+                **losses, **{f"rounds_{outcome}": n for outcome, n in self._rounds.items()}}
 
     def _on_reachability(self, e: dict) -> None:
         for mode in MODES:

@@ -70,6 +70,10 @@ DHT_CALL_TIMEOUT = 30.0
 one that takes longer waits on a DHT process that is gone, and is abandoned (``hivemind_calls``)."""
 
 
+MAX_LOSS = 1e6
+"""The largest loss a progress record carries (a larger or non-finite one is sent as unknown)."""
+
+
 class PeerStats(BaseModel):
     """What the swarm monitor (bootstrap node, ``diloco-peer status``) shows of a peer; no scraping needed."""
 
@@ -77,8 +81,8 @@ class PeerStats(BaseModel):
     state: constr(regex=r"^(joining|training|averaging|leaving)$", strict=True)
     reach: constr(regex=r"^(direct|relayed|outbound-only|unknown)$", strict=True) = "unknown"
     tokens_per_second: confloat(ge=0, le=1e12, strict=True)
-    train_loss: confloat(ge=0, le=1e6, strict=True) | None
-    eval_loss: confloat(ge=0, le=1e6, strict=True) | None
+    train_loss: confloat(ge=0, le=MAX_LOSS, strict=True) | None
+    eval_loss: confloat(ge=0, le=MAX_LOSS, strict=True) | None
     rounds_averaged: conint(ge=0, strict=True)
     rounds_solo: conint(ge=0, strict=True)
     rounds_failed: conint(ge=0, strict=True)

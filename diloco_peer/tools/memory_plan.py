@@ -213,7 +213,7 @@ def _training_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
 def _round_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
     """The outer optimizer, the pseudo-gradient and the round's result in the peer process
     (``training/outer_optimizer.py``, ``outer_round.py``, ``averaging/averager.py``), on the host for both kinds
-    of peer. The averager's buffer is shared memory (counted once, here) that gives its pages back after
+    of peer. The averager's two buffers are shared memory (counted once, here) that gives its pages back after
     the outer step (``RoundAverager.release``): they count during a round only."""
     p = shape.parameters * FP32
     overlapped = cfg.outer.overlap != "blocking"
@@ -223,10 +223,12 @@ def _round_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
              "(flat_tensors)", "resident", cpu=p, gpu_host=p),
         _row("outer Nesterov momentum (shared memory)", "training/outer_optimizer.py OuterOptimizer.__init__ "
              "(flat_tensors, SGD's momentum_buffer)", "resident", cpu=p, gpu_host=p),
-        _row("round: pseudo-gradient sent, then the average written over it (averager's buffer)",
-             "averaging/averager.py RoundAverager.__init__; OuterOptimizer.pseudo_gradient writes it in place (a CPU "
-             "peer's blocking rounds: the replica's memory); allreduce.py ExactAllReduceRunner._register",
+        _row("round: pseudo-gradient sent (averager's input buffer)", "averaging/averager.py RoundAverager.__init__; "
+             "OuterOptimizer.pseudo_gradient writes it in place (a CPU peer's blocking rounds: the replica's memory)",
              "allreduce", cpu=0 if cfg.lends_replica(CPU) else p, gpu_host=p),
+        _row("round: the average (averager's output buffer, handed out as it is)",
+             "averaging/averager.py RoundAverager.__init__; allreduce.py ExactAllReduceRunner._register",
+             "allreduce", cpu=p, gpu_host=p),
     ]
     if feedback:
         rows += [_row("error-feedback residual", "averaging/compression.py ErrorFeedback.roundtrip", "resident",
@@ -264,8 +266,8 @@ def _state_rows(shape: ModelShape) -> list[Buffer]:
 def _averager_rows(cfg: PeerConfig, shape: ModelShape, peers: int) -> list[Buffer]:
     """hivemind's averager process (``averaging/pseudo_gradient_averager.py``): its all-reduce, serving and
     download buffers. It is forked before the model is built (``daemon.PeerDaemon._build``), so it holds no
-    copy-on-write pages of the replica or the outer state; it reads our pseudo-gradient from the shared round
-    buffer and writes each averaged part straight over it (counted above)."""
+    copy-on-write pages of the replica or the outer state; it reads our pseudo-gradient from the shared input
+    buffer and writes each averaged part straight into the shared output buffer (both counted above)."""
     largest = shape.largest * FP32
     # parts in flight: hivemind encodes one part ahead per peer it sends to, and decodes one ahead per reply
     wire = 2 * cfg.averaging.part_size_bytes * peers
