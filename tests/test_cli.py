@@ -227,8 +227,9 @@ def test_simulate_writes_results_and_plot(tmp_path):
     # every run starts from the same pretrained weights (from scratch the eval loss is ~5.2, ln 256 = 5.5)
     assert saved["pretrain"] == 20 and len({r["eval_loss"][0] for r in runs.values()}) == 1
     assert runs["single"]["eval_loss"][0] < 4.0
-    assert set(runs) == {"single", "kx_batch-k2", "diloco-k2-int8-blocking"}
-    assert runs["kx_batch-k2"]["tokens"][-1] == runs["diloco-k2-int8-blocking"]["tokens"][-1] == 2 * 2 * 5 * 8 * 128
+    diloco = "diloco-k2-int8-blocking-robust"  # robust aggregation, the default, names itself
+    assert set(runs) == {"single", "kx_batch-k2", diloco}
+    assert runs["kx_batch-k2"]["tokens"][-1] == runs[diloco]["tokens"][-1] == 2 * 2 * 5 * 8 * 128
     assert all(r["final_eval_loss"] < r["eval_loss"][0] for r in runs.values())
     assert (tmp_path / "eval_loss.png").stat().st_size > 10_000 and "vs Kx-batch" in result.stdout
 
