@@ -83,7 +83,8 @@ def test_chaos_kills_leaves_and_joins_the_survivors_end_identical(local_swarm):
         time.sleep(0.2)
     # once the newcomer has contributed: p2 leaves gracefully, then p1 is killed right after a round,
     # while its background checkpoint write runs, and restarts with the same name
-    first = _wait_for(local_swarm, "p5", lambda e: e["event"] == "round" and e["outcome"] == "averaged",
+    # (its first round with others: averaged, or partial if a reducer failed in it, seen in a run here)
+    first = _wait_for(local_swarm, "p5", lambda e: e["event"] == "round" and "first_contribution_seconds" in e,
                       "a first contribution")
     procs["p2"].send_signal(signal.SIGTERM)
     term_sent = time.monotonic()
