@@ -68,7 +68,8 @@ def test_a_member_that_refuses_its_group_withdraws_and_nobody_waits_for_it(dhts,
     monkeypatch.setattr(PseudoGradientAverager, "_refuses_leader", lambda self, leader: leader.to_base58() != a)
     cfg = AveragingConfig(matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=20.0, aggregation="mean")
     shapes = [torch.Size([64, 64])] * 12
-    averagers = [RoundAverager(nodes[0], shapes, "refusal-run", cfg), RoundAverager(nodes[1], shapes, "refusal-run", cfg),
+    averagers = [RoundAverager(nodes[0], shapes, "refusal-run", cfg),
+                 RoundAverager(nodes[1], shapes, "refusal-run", cfg),
                  RoundAverager(nodes[2], shapes, "refusal-run", cfg, admission=Admission(allowlist=frozenset({a, c})))]
     inputs = [[torch.full(s, value) for s in shapes] for value in (1.0, 1.5, 2.0)]
 

@@ -60,9 +60,7 @@ class ExactAllReduceRunner(AllReduceRunner):
     :param relayed: members we reach over a relay: their bytes also count as ``RELAYED``
     :param outputs: where the averages go, laid out like ``tensors`` in one buffer (``flat_tensors``): each averaged
       part is written there the moment it is known, instead of waiting, decoded, until the parts before it are in
-      (the parts a reducer averaged early would otherwise pile up: up to half the model with two peers). They may
-      be ``tensors`` themselves: an averaged part comes back (or, as its reducer, we know it) only after our own
-      part was encoded for every peer and, where we reduce, accumulated, so it overwrites nothing still to be read
+      (the parts a reducer averaged early would otherwise pile up: up to half the model with two peers)
     """
 
     def __init__(self, *, traffic: torch.Tensor, limits: Limits, on_offense, faults: Faults = NO_FAULTS,
@@ -70,9 +68,6 @@ class ExactAllReduceRunner(AllReduceRunner):
                  **kwargs):
         super().__init__(**kwargs)
         self._outputs = _flat_twin(kwargs["tensors"], outputs)
-        self.registered = 0
-        """Averaged parts written to ``outputs`` so far: where ``outputs`` are the inputs (a lent buffer), the
-        parts of our pseudo-gradient that an average has overwritten."""
         self._parts: dict[int, list[torch.Tensor]] = {}  # peer index -> our input parts it reduces (their places)
         self._relayed = relayed
         self._faults, self._allreduce = faults, allreduce
@@ -101,7 +96,6 @@ class ExactAllReduceRunner(AllReduceRunner):
             part = self._parts[peer_index][part_index]
             place = self._outputs[part.storage_offset():part.storage_offset() + part.numel()]
             averaged = place.copy_(averaged.reshape(-1)).view(averaged.shape)
-            self.registered += 1
         self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
 
     def _refuse_sender(self, peer_id: PeerID, problem: BadContribution) -> None:

@@ -73,7 +73,7 @@ class RoundResult:
     bytes_sent: int = 0
     bytes_received: int = 0
     sent_norm: float = 0.0
-    """The norm of the pseudo-gradient we sent, taken before the round (the average may be written over it)."""
+    """The norm of the pseudo-gradient we sent (``refuse_update`` compares the average with it)."""
     values_not_averaged: int = 0
     """Values whose reducer failed mid-round: they hold our local value (replicas differ there)."""
     bytes_relayed: int = 0

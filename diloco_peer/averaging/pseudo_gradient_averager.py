@@ -61,8 +61,7 @@ class PseudoGradientAverager(DecentralizedAverager):
       peers with a record there may download our state (only secret holders can write to that DHT)
     :param faults: fault injection, for the tests only (``config/faults.py``); crosses into the averager process
     :param inputs: the buffers (in shared memory, shaped like ``averaged_tensors``) that hold what we send in an
-      all-reduce; the averages are written to ``averaged_tensors``, which may be ``inputs`` themselves (then a
-      step whose all-reduce failed after writing an average is not retried). Default: new ones
+      all-reduce; the averages are written to ``averaged_tensors``. Default: new ones
     """
 
     def __init__(self, averaged_tensors, dht: DHT, *, limits: Limits = Limits(), admission: Admission = Admission(),
@@ -123,7 +122,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         internals.patch_join_requests(self, self._refuses_leader)
         internals.reject_stale_join_requests(self, lambda context: self._join_arrivals.get(id(context)))
         internals.leave_out_before_assembly(self, self._banned_by_members)
-        self._step_control = kwargs.get("step")  # (see _run_allreduce_inplace_)
+        self._step_control = kwargs.get("step")  # (see _refuse_group)
         return await super()._step(**kwargs)
 
     def _banned_by_members(self, requests: dict) -> list[PeerID]:
@@ -344,17 +343,9 @@ class PseudoGradientAverager(DecentralizedAverager):
         )
         internals.running_group(self, group_id).set_result(runner)
         # the runner reads our pseudo-gradient from ``inputs`` and the averages go to ``tensors``: a retry after a
-        # failure (hivemind retries with the same tensors) reads our own values again, and no copy is needed. Were
-        # they one buffer, averages written over part of our values must not be sent as ours: the step fails instead
-        written = 0
-        try:
-            async for tensor, averaged in azip(as_aiter(*tensors), runner):
-                tensor.copy_(averaged)
-                written += 1
-        except BaseException:
-            if (runner.registered or written) and tensors[0].data_ptr() == self.inputs[0].data_ptr():
-                internals.forbid_retries(self._step_control)
-            raise
+        # failure (hivemind retries with the same tensors) reads our own values again, and no copy is needed
+        async for tensor, averaged in azip(as_aiter(*tensors), runner):
+            tensor.copy_(averaged)
         # by now every sender has started streaming to us (our last part needed all of theirs)
         await runner.wait_for_replies(timeout=runner.reducer_timeout or 5.0)
         self.traffic[FAILED_VALUES] += runner.tensor_part_container.failed_size

@@ -247,7 +247,7 @@ def vector_norm(tensors: list[torch.Tensor]) -> float:
 def refuse_update(update: list[torch.Tensor], own_norm: float, max_ratio: float) -> str:
     """Why an averaged pseudo-gradient must not be applied ("" if it may): a peer that sent NaNs or a
     huge vector (broken hardware, a buggy fork, an attacker) must not poison our weights. ``own_norm``: the
-    ``vector_norm`` of the pseudo-gradient we sent (taken before the round: the average may be written over it)."""
+    ``vector_norm`` of the pseudo-gradient we sent (``RoundResult.sent_norm``)."""
     bad = sum(int((~torch.isfinite(t)).sum()) for t in update)
     if bad:
         return f"{bad} non-finite values"
