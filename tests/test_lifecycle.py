@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -233,7 +234,14 @@ class Case:
         self.group = group
         """Signal the whole process group (the children too), as a terminal's Ctrl+C or systemd's stop do."""
         self.processes: dict[int, float] = {}
-        self.sent = 0.0
+        self.sent = self.exited = 0.0
+        self.waiter = threading.Thread(target=self._wait, daemon=True)
+
+    def _wait(self) -> None:
+        """The moment of the exit, taken as it happens: cases are checked one after another, and a check that
+        started only when the previous case's tree was gone would count that wait as this case's."""
+        self.proc.wait()
+        self.exited = time.monotonic()
 
     def signal(self) -> None:
         self.processes = tree(self.proc)
@@ -243,11 +251,13 @@ class Case:
             os.killpg(self.proc.pid, self.sig)
         else:
             self.proc.send_signal(self.sig)
+        self.waiter.start()
 
     def check(self, expected_code: int) -> float:
         """Waits for the exit and for every process of the tree to be gone; the seconds it took."""
-        code = self.proc.wait(timeout=self.bound + 30)
-        took = time.monotonic() - self.sent
+        self.waiter.join(timeout=max(0.0, self.sent + self.bound + 30 - time.monotonic()))
+        assert not self.waiter.is_alive(), f"{self.name}: still running {self.bound + 30:g}s after {self.sig.name}"
+        code, took = self.proc.returncode, self.exited - self.sent
         assert code == expected_code, f"{self.name}: {self.sig.name} gave exit code {code}, not {expected_code}"
         assert took < self.bound, f"{self.name}: {self.sig.name} took {took:.1f}s to exit (bound {self.bound:g}s)"
         deadline = time.monotonic() + 15
