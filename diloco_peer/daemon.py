@@ -165,7 +165,7 @@ class PeerDaemon:
         self._watch_children(reaper)
         sync = self.sync = StateSync(averager.averager, outer, cfg.fingerprint(), cfg.outer.inner_steps, cfg.averaging,
                          on_serve=lambda epoch, size: events.write("serve", peer=self.name, epoch=epoch, bytes=size),
-                         faults=faults)
+                         faults=faults, spill_dir=Path(cfg.run.log_dir) / f"{self.name}.serving")
         progress = self.progress = SwarmProgress(dht, cfg.run.run_id, peer_id, cfg.averaging.heartbeat, faults=faults)
         self.metrics.name = self.name
         progress.stats_provider = self.metrics.swarm_stats  # the swarm monitor reads these from the DHT

@@ -109,13 +109,25 @@ def test_a_pseudo_gradient_written_in_place_is_the_same():
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
 
 
-@pytest.mark.parametrize("sent_first", [0, 1], ids=["before-the-first-tensor", "after-one-tensor"])
-def test_a_donor_stepping_during_a_download_serves_the_state_it_started_with(peers, sent_first):  # noqa: F811
+@pytest.mark.parametrize("sent_first, spill", [(0, False), (1, False), (0, True)],
+                         ids=["before-the-first-tensor", "after-one-tensor", "before-the-first-tensor-to-a-file"])
+def test_a_donor_stepping_during_a_download_serves_the_state_it_started_with(peers, sent_first, spill,  # noqa: F811
+                                                                             tmp_path, monkeypatch):
+    """The copy of the unread rest is in memory, or (a state over ``serve_copy_in_memory_mb``) in a file read back
+    a tensor at a time, removed when the download ends."""
     donor, newcomer = peers(), peers()
     donor.advance(2)
     target = donor.target()
     averager = donor.averager.averager
     provide = averager.state_provider
+    spilled = []
+    if spill:
+        (tmp_path / "serve-1-2-3.bin").write_bytes(b"left by a killed process")
+        averager.served.spill_to(tmp_path, 0)
+        assert not list(tmp_path.iterdir())
+        write = state_transfer.SpilledTensors.write
+        monkeypatch.setattr(state_transfer.SpilledTensors, "write",
+                            lambda path, tensors: spilled.append(write(path, tensors)) or spilled[-1])
 
     def step_once_sent(slot: int) -> None:  # the donor's outer step, once ``sent_first`` tensors went out
         deadline = time.monotonic() + 5
@@ -139,6 +151,12 @@ def test_a_donor_stepping_during_a_download_serves_the_state_it_started_with(pee
     while donor.outer.epoch < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert donor.outer.epoch == 3 and donor.sync.state_hash != target.state_hash
+    if spill:
+        assert len(spilled) == 1 and len(spilled[0]) == 2 * len(donor.outer.params)  # weights and momentum
+        deadline = time.monotonic() + 5
+        while spilled[0].path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not spilled[0].path.exists(), "the file of the download's copy outlived the download"
 
 
 def test_a_long_state_download_says_how_far_it_is(peers, monkeypatch, capfd):  # noqa: F811

@@ -9,8 +9,10 @@ download is halfway. So the host registers each download (a slot of ``ServedStat
 active, next tensor to read, frozen from, generation) and, before it changes the state, copies the tensors that
 download has not read yet (``ServedStates.freeze``) and hands them over; the averager process checks, after
 serializing each live tensor, whether the state was frozen meanwhile and then serializes the copy instead (a
-seqlock: the host sets "frozen" before it changes anything). Memory: nothing while the state stands still; the
-unread rest of the state, once, when a step falls into a download.
+seqlock: the host sets "frozen" before it changes anything). Memory: nothing while the state stands still; when a
+step falls into a download, the unread rest of the state once, in memory if it is small, else written to a file
+that the averager process reads back a tensor at a time (``ServedStates.spill_to``): a GB-scale state is never
+copied in RAM, the page cache holds it (the kernel may evict it).
 
 Downloading (the newcomer). The averager process assembles each tensor from its chunks and copies it into one
 shared-memory buffer shaped like the state (untouched pages cost nothing): the host then receives that buffer
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from pathlib import Path
 
 import torch
 from hivemind.compression import CompressionInfo
@@ -67,6 +71,16 @@ class ServedStates:
         self._served: dict[int, list] = {}  # slot -> [generation, tensors, last NEXT seen, when it last moved]
         self.opened: tuple[int, int] | None = None
         """The (slot, generation) ``open`` gave last (the averager's ``get_current_state`` passes it on)."""
+        self.spill_dir: Path | None = None
+        self.in_memory_limit = 0
+
+    def spill_to(self, directory: Path, in_memory_limit: int) -> None:
+        """Copies for a frozen download over ``in_memory_limit`` bytes go to a file in ``directory`` instead of
+        memory. Files an earlier process of this peer left there (killed mid-download) are removed."""
+        directory.mkdir(parents=True, exist_ok=True)
+        for leftover in directory.glob("serve-*.bin"):
+            leftover.unlink(missing_ok=True)
+        self.spill_dir, self.in_memory_limit = directory, in_memory_limit
 
     def open(self, tensors: list[torch.Tensor]) -> tuple[int, int]:
         """Register a download of ``tensors`` (call it with the state locked): its (slot, generation)."""
@@ -89,9 +103,13 @@ class ServedStates:
                 continue  # frozen already: it reads copies
             start = int(self.table[slot, NEXT])
             if start < len(tensors):
-                copies = flat_tensors([t.shape for t in tensors[start:]], shared=True)
-                for copy, tensor in zip(copies, tensors[start:]):
-                    copy.copy_(tensor)
+                rest = tensors[start:]
+                if self.spill_dir is not None and sum(t.numel() * t.element_size() for t in rest) > self.in_memory_limit:
+                    copies = SpilledTensors.write(self.spill_dir / f"serve-{os.getpid()}-{slot}-{generation}.bin", rest)
+                else:
+                    copies = flat_tensors([t.shape for t in rest], shared=True)
+                    for copy, tensor in zip(copies, rest):
+                        copy.copy_(tensor)
                 internals.send_to_averager_process(self.averager, "_freeze_serve", slot, generation, start, copies)
             self.table[slot, FROZEN] = start  # only now may the state change (the averager process checks this)
 
@@ -106,6 +124,50 @@ class ServedStates:
             elif now - moved > STALE:  # its stream is gone without a word (e.g. the averager process restarted)
                 self.table[slot, ACTIVE] = 0
                 del self._served[slot]
+
+
+class SpilledTensors:
+    """Tensors written one after another to a file, read back one at a time (``ServedStates.freeze``'s copies of a
+    big state). Pickles as its path and layout: the averager process opens the file the host wrote.
+
+    :param path: the file
+    :param layout: (shape, dtype) of each tensor, in the file's order
+    """
+
+    def __init__(self, path: Path, layout: list[tuple[torch.Size, torch.dtype]]):
+        self.path, self.layout = path, layout
+        self.offsets = [0]
+        for shape, dtype in layout:
+            self.offsets.append(self.offsets[-1] + shape.numel() * dtype.itemsize)
+
+    @classmethod
+    def write(cls, path: Path, tensors: list[torch.Tensor]) -> SpilledTensors:
+        """Write ``tensors`` (on the CPU) to ``path``, without a copy in memory (the bytes go from the tensors' pages)."""
+        with open(path, "wb") as file:
+            for tensor in tensors:
+                file.write(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        return cls(path, [(t.shape, t.dtype) for t in tensors])
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        shape, dtype = self.layout[index]
+        data = bytearray(self.offsets[index + 1] - self.offsets[index])
+        with open(self.path, "rb") as file:
+            file.seek(self.offsets[index])
+            if file.readinto(data) != len(data):
+                raise RuntimeError(f"{self.path} ends before tensor {index}: it was cut short or removed")
+        return torch.frombuffer(data, dtype=dtype).view(shape) if data else torch.empty(shape, dtype=dtype)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _drop_frozen(averager, slot: int) -> None:
+    dropped = averager.frozen_serves.pop(slot, None)
+    if dropped is not None and isinstance(dropped[2], SpilledTensors):
+        dropped[2].remove()
 
 
 async def serve(averager, metadata: bytes, tensors: list[torch.Tensor], served: tuple[int, int] | None,
@@ -139,7 +201,7 @@ async def serve(averager, metadata: bytes, tensors: list[torch.Tensor], served: 
     finally:
         if served is not None and int(table[slot, GENERATION]) == generation:
             table[slot, ACTIVE] = 0
-            averager.frozen_serves.pop(slot, None)
+            _drop_frozen(averager, slot)
 
 
 async def _frozen(averager, slot: int, generation: int) -> tuple[int, list[torch.Tensor]]:
@@ -156,7 +218,10 @@ async def _frozen(averager, slot: int, generation: int) -> tuple[int, list[torch
 def keep_frozen(averager, slot: int, generation: int, start: int, copies: list[torch.Tensor]) -> None:
     """In the averager process: the host's copies of download ``slot``'s unread tensors (from ``start`` on)."""
     if int(averager.serving[slot, GENERATION]) == generation and averager.serving[slot, ACTIVE]:
+        _drop_frozen(averager, slot)
         averager.frozen_serves[slot] = (generation, start, copies)
+    elif isinstance(copies, SpilledTensors):  # that download ended meanwhile
+        copies.remove()
 
 
 async def download(averager, donor: str, timeout: float, into: list[torch.Tensor] | None = None,

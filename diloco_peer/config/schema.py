@@ -234,6 +234,11 @@ class AveragingConfig(_Section):
     """State sync: seconds to wait for each chunk of a state download before trying another donor."""
     sync_attempts: int = Field(3, ge=1)
     """State sync: donors to try (one after the other) before giving up until the next round."""
+    serve_copy_in_memory_mb: float = Field(64.0, ge=0)
+    """Serving our state: an outer step during a peer's download first copies what that download has not read
+    yet, so that it still gets one whole state. Up to this many MB the copy is kept in memory; a bigger one is
+    written to ``{run.log_dir}/{peer name}.serving/`` and read back a tensor at a time (a llama-150m state is
+    1.2 GB: never copied in RAM)."""
     max_update_ratio: float = Field(10.0, ge=0)
     """Refuse an averaged pseudo-gradient whose norm exceeds this many times our own (a weighted mean of
     honest pseudo-gradients is never longer than the longest of them); non-finite values are always

@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -133,15 +134,20 @@ class StateSync:
     :param cfg: the ``[averaging]`` section (sync_timeout, sync_attempts)
     :param on_serve: called with (epoch, bytes) each time a peer downloads our state (any thread)
     :param faults: fault injection, for the tests only (``lie_epoch``, ``corrupt_state``: what we serve)
+    :param spill_dir: where an outer step during a download writes the state that download has not read yet,
+      when it is over ``cfg.serve_copy_in_memory_mb`` (None: always in memory)
     """
 
     def __init__(self, averager: PseudoGradientAverager, outer: OuterOptimizer, fingerprint: str,
-                 inner_steps: int, cfg: AveragingConfig, on_serve=None, *, faults: Faults = NO_FAULTS):
+                 inner_steps: int, cfg: AveragingConfig, on_serve=None, *, faults: Faults = NO_FAULTS,
+                 spill_dir: Path | None = None):
         self.averager, self.outer, self.fingerprint = averager, outer, fingerprint
         self.inner_steps, self.cfg, self.on_serve, self.faults = inner_steps, cfg, on_serve, faults
         self.lock = threading.Lock()
         """Held while the outer state changes, so that a peer never downloads a half-updated state."""
         outer.before_change.append(averager.served.freeze)  # a download in flight keeps the state it started with
+        if spill_dir is not None:
+            averager.served.spill_to(spill_dir, int(cfg.serve_copy_in_memory_mb * 2**20))
         self.state_hash = self._own_hash()
         averager.state_provider = self._current_state
 

@@ -243,18 +243,21 @@ def _round_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
     return rows
 
 
-def _state_rows(shape: ModelShape) -> list[Buffer]:
+def _state_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
     """Checkpoints and state sync in the peer process (``state/``). No copy of the state is taken to write or
     serve it: what they read stays unchanged until they are past it (``OuterOptimizer.before_change``)."""
     p, largest = shape.parameters * FP32, shape.largest * FP32
+    # a bigger copy goes to a file (the page cache), read back a tensor at a time by the averager process
+    serve_copy = 2 * p if 2 * p <= cfg.averaging.serve_copy_in_memory_mb * 2**20 else 0
     return [
         # written from the live tensors; a GPU peer's AdamW state reaches the file through the host, a tensor at a time
         _row("checkpoint: one GPU tensor on its way to the file", "state/checkpoint.py write_atomically "
              "(torch's serializer)", "checkpoint", gpu_host=largest),
         # served from the outer state's shared memory; only an outer step during a download copies anything
-        _row("state served: the unread rest, copied when our state changes during a download",
+        _row("state served: the unread rest, copied when our state changes during a download (in memory up to "
+             "averaging.serve_copy_in_memory_mb, else to a file)",
              "averaging/state_transfer.py ServedStates.freeze (OuterOptimizer.before_change)", "serve_change",
-             cpu=2 * p, gpu_host=2 * p),
+             cpu=serve_copy, gpu_host=serve_copy),
         # one shared-memory buffer for the whole sync (a broken download resumes into it), which the averager
         # process fills; checked, copied into our state in place, then freed (not kept by either process's heap)
         _row("state downloaded (shared memory), checked, then copied in", "state/state_sync.py StateSync.sync; "
@@ -275,8 +278,9 @@ def _averager_rows(cfg: PeerConfig, shape: ModelShape, peers: int) -> list[Buffe
         _row("averager: parts in flight, one part's average", "averaging/allreduce.py ExactAllReduceRunner, "
              "compression.WireCompression; hivemind TensorPartContainer", "allreduce", AVERAGER,
              cpu=wire + largest, gpu_host=wire + largest),
-        _row("averager: serving, one tensor serialised", "averaging/state_transfer.py serve", "serve", AVERAGER,
-             cpu=2 * largest, gpu_host=2 * largest),
+        _row("averager: serving, one tensor read back (after a step, from the file) and serialised",
+             "averaging/state_transfer.py serve, SpilledTensors", "serve", AVERAGER,
+             cpu=3 * largest, gpu_host=3 * largest),
         _row("averager: state download, a tensor being assembled", "averaging/state_transfer.py download",
              "sync", AVERAGER, cpu=2 * largest, gpu_host=2 * largest),
     ]
@@ -284,7 +288,7 @@ def _averager_rows(cfg: PeerConfig, shape: ModelShape, peers: int) -> list[Buffe
 
 def buffers(cfg: PeerConfig, shape: ModelShape, peers: int = 8) -> list[Buffer]:
     """Every buffer a peer running ``cfg`` allocates, sized for ``shape`` and all-reduce groups of ``peers``."""
-    return [*_training_rows(cfg, shape), *_round_rows(cfg, shape), *_state_rows(shape),
+    return [*_training_rows(cfg, shape), *_round_rows(cfg, shape), *_state_rows(cfg, shape),
             *_averager_rows(cfg, shape, peers)]
 
 
