@@ -118,6 +118,13 @@ def test_a_signal_to_the_demo_stops_its_whole_swarm_then_exits_130(tmp_path, sig
         assert not alive(tree), describe(alive(tree))  # gone before the demo exited, not merely soon after
         assert not namespaces(tag), namespaces(tag)
         assert f"demo: interrupted ({sig.name}), stopping the swarm" in demo.log.read_text()
+        if nat:  # and before the stop: each peer behind its own router, reached through the relay, averaging
+            assert "each peer behind its own NAT router" in demo.log.read_text()
+            events = [list(read_events(demo.out / f"peer-{i}.jsonl")) for i in (0, 1)]
+            assert all([e["mode"] for e in log if e["event"] == "reachability"][:1] == ["relayed"] for log in events)
+            first = [next(e for e in log if e["event"] == "round") for log in events]
+            assert [(r["round"], r["outcome"], r["group_size"]) for r in first] == [(1, "averaged", 2)] * 2, first
+            assert first[0]["param_sha256"] == first[1]["param_sha256"]
     finally:
         demo.cleanup()
         for name in namespaces(tag):
@@ -329,40 +336,40 @@ def test_stop_while_training_leaves_a_checkpoint_and_nothing_behind(local_swarm)
 
 @pytest.mark.slow
 def test_stop_in_an_all_reduce_and_in_a_state_sync(local_swarm):
-    """Three pairs of peers (a run each): one peer of each pair is signalled while its round's exchange is in
-    flight (after its ``averaging`` event: matchmaking or all-reduce); then a newcomer joins each run and is
-    signalled in the middle of its state download (the remaining partner serves slowly: fault ``slow_serve``).
+    """Two pairs of peers (a run each): one peer of each pair is signalled while its round's exchange is in flight
+    (after its ``averaging`` event: matchmaking or all-reduce); then a newcomer joins each run and is signalled in
+    the middle of its state download (the remaining partner serves slowly: fault ``slow_serve``). One run gets
+    the signals that ask to leave (SIGTERM, then SIGINT: one handler for both, and SIGHUP), the other SIGKILL.
     The partners train on throughout."""
     local_swarm.start_bootstrap()
     common = [f"run.shutdown_grace={PEER_GRACE}", "outer.inner_steps=20", "averaging.matchmaking_time=3.0"]
-    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+    runs = {"leave": (signal.SIGTERM, signal.SIGINT), "kill": (signal.SIGKILL, signal.SIGKILL)}
     victims, partners = {}, {}
-    for sig in sigs:
-        run = f"run.run_id=life-{sig.name}"
-        victims[sig] = local_swarm.start_peer(f"ar-{sig.name}", run, *common)
-        partners[sig] = local_swarm.start_peer(f"partner-{sig.name}", run, *common, env={FAULT_ENV: "slow_serve:6"})
+    for run in runs:
+        victims[run] = local_swarm.start_peer(f"ar-{run}", f"run.run_id=life-{run}", *common)
+        partners[run] = local_swarm.start_peer(f"partner-{run}", f"run.run_id=life-{run}", *common,
+                                               env={FAULT_ENV: "slow_serve:6"})
     cases = []
-    for sig in sigs:
-        name = f"ar-{sig.name}"
+    for run, (sig, _) in runs.items():
+        name = f"ar-{run}"
         wait_until(lambda: any(e["event"] == "averaging" for e in local_swarm.events(name)), f"{name} averaging", 150)
-        cases.append(Case(f"{name} in an all-reduce", victims[sig], sig, bound=PEER_GRACE))
+        cases.append(Case(f"{name} in an all-reduce", victims[run], sig, bound=PEER_GRACE))
         cases[-1].signal()
     for case in cases:
         case.check(KILLED if case.sig == signal.SIGKILL else 0)
 
-    newcomers = {sig: local_swarm.start_peer(f"sync-{sig.name}", f"run.run_id=life-{sig.name}", *common)
-                 for sig in sigs}
+    newcomers = {run: local_swarm.start_peer(f"sync-{run}", f"run.run_id=life-{run}", *common) for run in runs}
     cases = []
-    for sig, proc in newcomers.items():
-        log = local_swarm.workdir / f"sync-{sig.name}.log"
-        wait_until(lambda: log.exists() and "state sync: " in log.read_text(), f"sync-{sig.name} downloading", 120)
-        cases.append(Case(f"sync-{sig.name} in a state sync", proc, sig, bound=PEER_GRACE))
+    for run, proc in newcomers.items():
+        log = local_swarm.workdir / f"sync-{run}.log"
+        wait_until(lambda: log.exists() and "state sync: " in log.read_text(), f"sync-{run} downloading", 120)
+        cases.append(Case(f"sync-{run} in a state sync", proc, runs[run][1], bound=PEER_GRACE))
         cases[-1].signal()
     for case in cases:
         took = case.check(KILLED if case.sig == signal.SIGKILL else 0)
         assert took < 6 or case.sig == signal.SIGKILL, f"{case.name}: the download in flight held the leave {took:.1f}s"
-    for sig, partner in partners.items():
-        assert partner.poll() is None, f"partner-{sig.name} died: {partner.returncode}"
+    for run, partner in partners.items():
+        assert partner.poll() is None, f"partner-{run} died: {partner.returncode}"
 
 
 def dht_process(proc: subprocess.Popen) -> psutil.Process:

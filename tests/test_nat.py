@@ -159,22 +159,6 @@ def test_relay_dies_peers_go_on_through_the_other_and_say_so_when_none_is_left(i
     assert "no relay carries us now" in log
 
 
-def test_demo_nat_runs_every_peer_behind_its_own_router(internet, tmp_path):
-    internet(0)  # only the check that namespaces can be made here; the demo builds its own internet
-    out = tmp_path / "demo"
-    result = subprocess.run(diloco_cmd("demo", "--nat", "--peers", "2", "--rounds", "2", "--out", str(out),
-                                       "--set", "outer.inner_steps=10", "--set", "data.max_bytes=1_000_000",
-                                       *[a for item in RELAYED for a in ("--set", item)]),
-                            capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "each peer behind its own NAT router" in result.stdout
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["reachability"] == {"peer-0": ["relayed"], "peer-1": ["relayed"]}
-    assert summary["rounds_completed"] == 2 and summary["replicas_identical"]
-    assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-                if ns.startswith("dnat")]  # its namespaces are gone
-
-
 def test_demo_nat_refuses_metrics_ports_with_one_line():
     result = subprocess.run(diloco_cmd("demo", "--nat", "--metrics-port-base", "9300"), capture_output=True,
                             text=True, timeout=60)
