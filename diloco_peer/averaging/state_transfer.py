@@ -104,8 +104,12 @@ class ServedStates:
             start = int(self.table[slot, NEXT])
             if start < len(tensors):
                 rest = tensors[start:]
-                if self.spill_dir is not None and sum(t.numel() * t.element_size() for t in rest) > self.in_memory_limit:
+                size = sum(t.numel() * t.element_size() for t in rest)
+                if self.spill_dir is not None and size > self.in_memory_limit:
+                    spilled = time.perf_counter()
                     copies = SpilledTensors.write(self.spill_dir / f"serve-{os.getpid()}-{slot}-{generation}.bin", rest)
+                    logger.info(f"state served: our state changed during a download; its unread {size / 2**20:.0f} "
+                                f"MB went to {copies.path} in {time.perf_counter() - spilled:.1f}s")
                 else:
                     copies = flat_tensors([t.shape for t in rest], shared=True)
                     for copy, tensor in zip(copies, rest):
