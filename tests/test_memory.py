@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -164,6 +165,7 @@ def test_a_long_state_download_says_how_far_it_is(peers, monkeypatch, capfd):  #
     handler = logging.StreamHandler(sys.stderr)  # (the daemon configures logging; a test process does not)
     monkeypatch.setattr(state_transfer.logger, "handlers", [handler])
     monkeypatch.setattr(state_transfer.logger, "level", logging.INFO)
+    monkeypatch.setattr(state_transfer.logger, "_cache", {})  # (what an earlier test's log call found it enabled for)
     donor, newcomer = peers(), peers()
     donor.advance(1)
     result = asyncio.run(newcomer.sync.sync(donor.target()))
@@ -171,3 +173,16 @@ def test_a_long_state_download_says_how_far_it_is(peers, monkeypatch, capfd):  #
     total = 2 * sum(p.numel() * 4 for p in donor.outer.params) / 1e6
     err = capfd.readouterr().err
     assert f"state download from {donor.id[-8:]}: " in err and f" of {total:,.0f} MB (" in err, err[-2000:]
+
+
+def test_a_served_copy_goes_to_a_file_read_back_a_tensor_at_a_time_or_stays_in_memory_if_it_cannot(tmp_path):
+    served = state_transfer.ServedStates(SimpleNamespace(serving=state_transfer.serving_table()))
+    tensors = [torch.arange(6.0).view(2, 3), torch.ones(4, dtype=torch.bfloat16), torch.empty(0)]
+    spilled = served._spill(tensors, tmp_path / "made-when-needed" / "serve.bin")
+    assert len(spilled) == 3 and spilled.path.stat().st_size == 6 * 4 + 4 * 2
+    assert all(spilled[i].dtype == t.dtype and torch.equal(spilled[i], t) for i, t in enumerate(tensors))
+    spilled.remove()
+    assert not spilled.path.exists()
+    not_a_directory = tmp_path / "a-file"
+    not_a_directory.write_text("")
+    assert served._spill(tensors, not_a_directory / "serve.bin") is None  # freeze then copies them in memory

@@ -23,6 +23,7 @@ for the length of a sync.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -76,10 +77,11 @@ class ServedStates:
 
     def spill_to(self, directory: Path, in_memory_limit: int) -> None:
         """Copies for a frozen download over ``in_memory_limit`` bytes go to a file in ``directory`` instead of
-        memory. Files an earlier process of this peer left there (killed mid-download) are removed."""
-        directory.mkdir(parents=True, exist_ok=True)
-        for leftover in directory.glob("serve-*.bin"):
-            leftover.unlink(missing_ok=True)
+        memory (the directory is made when first needed). Files an earlier process of this peer left there (killed
+        mid-download) are removed."""
+        if directory.is_dir():
+            for leftover in directory.glob("serve-*.bin"):
+                leftover.unlink(missing_ok=True)
         self.spill_dir, self.in_memory_limit = directory, in_memory_limit
 
     def open(self, tensors: list[torch.Tensor]) -> tuple[int, int]:
@@ -104,18 +106,31 @@ class ServedStates:
             start = int(self.table[slot, NEXT])
             if start < len(tensors):
                 rest = tensors[start:]
-                size = sum(t.numel() * t.element_size() for t in rest)
+                size, copies = sum(t.numel() * t.element_size() for t in rest), None
                 if self.spill_dir is not None and size > self.in_memory_limit:
-                    spilled = time.perf_counter()
-                    copies = SpilledTensors.write(self.spill_dir / f"serve-{os.getpid()}-{slot}-{generation}.bin", rest)
-                    logger.info(f"state served: our state changed during a download; its unread {size / 2**20:.0f} "
-                                f"MB went to {copies.path} in {time.perf_counter() - spilled:.1f}s")
-                else:
+                    copies = self._spill(rest, self.spill_dir / f"serve-{os.getpid()}-{slot}-{generation}.bin")
+                if copies is None:
                     copies = flat_tensors([t.shape for t in rest], shared=True)
                     for copy, tensor in zip(copies, rest):
                         copy.copy_(tensor)
                 internals.send_to_averager_process(self.averager, "_freeze_serve", slot, generation, start, copies)
             self.table[slot, FROZEN] = start  # only now may the state change (the averager process checks this)
+
+    def _spill(self, tensors: list[torch.Tensor], path: Path) -> SpilledTensors | None:
+        """``tensors`` written to ``path``; None if that failed (e.g. a full disk: the caller copies them in memory)."""
+        started, size = time.perf_counter(), sum(t.numel() * t.element_size() for t in tensors)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            spilled = SpilledTensors.write(path, tensors)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+            logger.warning(f"state served: could not write the {size / 2**20:.0f} MB a download has not read yet to "
+                           f"{path} ({e}); keeping them in memory")
+            return None
+        logger.info(f"state served: our state changed during a download; its unread {size / 2**20:.0f} MB went to "
+                    f"{path} in {time.perf_counter() - started:.1f}s")
+        return spilled
 
     def _prune(self) -> None:
         now = time.monotonic()

@@ -248,7 +248,7 @@ def _state_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
     serve it: what they read stays unchanged until they are past it (``OuterOptimizer.before_change``)."""
     p, largest = shape.parameters * FP32, shape.largest * FP32
     # a bigger copy goes to a file (the page cache), read back a tensor at a time by the averager process
-    serve_copy = 2 * p if 2 * p <= cfg.averaging.serve_copy_in_memory_mb * 2**20 else 0
+    serve_copy = min(2 * p, int(cfg.averaging.serve_copy_in_memory_mb * 2**20))
     return [
         # written from the live tensors; a GPU peer's AdamW state reaches the file through the host, a tensor at a time
         _row("checkpoint: one GPU tensor on its way to the file", "state/checkpoint.py write_atomically "
