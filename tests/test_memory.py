@@ -178,11 +178,12 @@ def test_a_long_state_download_says_how_far_it_is(peers, monkeypatch, capfd):  #
 def test_a_served_copy_goes_to_a_file_read_back_a_tensor_at_a_time_or_stays_in_memory_if_it_cannot(tmp_path):
     served = state_transfer.ServedStates(SimpleNamespace(serving=state_transfer.serving_table()))
     tensors = [torch.arange(6.0).view(2, 3), torch.ones(4, dtype=torch.bfloat16), torch.empty(0)]
-    spilled = served._spill(tensors, tmp_path / "made-when-needed" / "serve.bin")
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    spilled = served._spill(tensors, size, tmp_path / "made-when-needed" / "serve.bin")
     assert len(spilled) == 3 and spilled.path.stat().st_size == 6 * 4 + 4 * 2
     assert all(spilled[i].dtype == t.dtype and torch.equal(spilled[i], t) for i, t in enumerate(tensors))
     spilled.remove()
     assert not spilled.path.exists()
     not_a_directory = tmp_path / "a-file"
     not_a_directory.write_text("")
-    assert served._spill(tensors, not_a_directory / "serve.bin") is None  # freeze then copies them in memory
+    assert served._spill(tensors, size, not_a_directory / "serve.bin") is None  # freeze then copies them in memory

@@ -108,7 +108,7 @@ class ServedStates:
                 rest = tensors[start:]
                 size, copies = sum(t.numel() * t.element_size() for t in rest), None
                 if self.spill_dir is not None and size > self.in_memory_limit:
-                    copies = self._spill(rest, self.spill_dir / f"serve-{os.getpid()}-{slot}-{generation}.bin")
+                    copies = self._spill(rest, size, self.spill_dir / f"serve-{os.getpid()}-{slot}-{generation}.bin")
                 if copies is None:
                     copies = flat_tensors([t.shape for t in rest], shared=True)
                     for copy, tensor in zip(copies, rest):
@@ -116,9 +116,10 @@ class ServedStates:
                 internals.send_to_averager_process(self.averager, "_freeze_serve", slot, generation, start, copies)
             self.table[slot, FROZEN] = start  # only now may the state change (the averager process checks this)
 
-    def _spill(self, tensors: list[torch.Tensor], path: Path) -> SpilledTensors | None:
-        """``tensors`` written to ``path``; None if that failed (e.g. a full disk: the caller copies them in memory)."""
-        started, size = time.perf_counter(), sum(t.numel() * t.element_size() for t in tensors)
+    def _spill(self, tensors: list[torch.Tensor], size: int, path: Path) -> SpilledTensors | None:
+        """``tensors`` (``size`` bytes) written to ``path``; None if that failed (e.g. a full disk: the caller copies
+        them in memory)."""
+        started = time.perf_counter()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             spilled = SpilledTensors.write(path, tensors)
