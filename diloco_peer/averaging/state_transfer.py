@@ -17,7 +17,8 @@ copied in RAM, the page cache holds it (the kernel may evict it).
 Downloading (the newcomer). The averager process assembles each tensor from its chunks and copies it into one
 shared-memory buffer shaped like the state (untouched pages cost nothing): the host then receives that buffer
 as it is (no copy through the pipe) and checks it before copying it into its own state. 8 bytes per parameter
-for the length of a sync.
+for the length of a sync. The donor ends its stream with an end mark and the downloader hangs up: a donor that
+hung up first could lose the stream's last tensors (``p2pd_internals.until_the_caller_hangs_up``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from ..swarm.p2pd_internals import until_the_caller_hangs_up
 from ..training.model import param_sha256, state_digest
 from ..training.outer_optimizer import flat_tensors
 from . import hivemind_internals as internals
@@ -222,6 +224,12 @@ async def serve(averager, metadata: bytes, tensors: list[torch.Tensor], served: 
         if served is not None and int(table[slot, GENERATION]) == generation:
             table[slot, ACTIVE] = 0
             _drop_frozen(averager, slot)
+    yield averaging_pb2.DownloadData()  # the end mark: the downloader knows it has everything, and hangs up
+    await until_the_caller_hangs_up()
+
+
+def _is_end_mark(message: averaging_pb2.DownloadData) -> bool:
+    return not message.metadata and not message.HasField("tensor_part")
 
 
 async def _frozen(averager, slot: int, generation: int) -> tuple[int, list[torch.Tensor]]:
@@ -277,19 +285,27 @@ async def download(averager, donor: str, timeout: float, into: list[torch.Tensor
 
     total, started = sum(t.numel() * t.element_size() for t in staging[start:]), time.monotonic()
     reported = started
-    async for message in aiter_with_timeout(stream, timeout=timeout):
-        received += message.ByteSize()
-        if time.monotonic() - reported > PROGRESS_EVERY:
-            reported = time.monotonic()
-            logger.info(f"state download from {donor[-8:]}: {received / 1e6:,.0f} of {total / 1e6:,.0f} MB "
-                        f"({received / 1e6 / (reported - started):.1f} MB/s)")
-        if message.metadata:
-            metadata = averager.serializer.loads(message.metadata)
-            digests = _listed(metadata, expected, len(staging)) if resume is not None and into is not None else None
-        if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
-            tensors.append(complete(parts))
-            parts = []
-        parts.append(message.tensor_part)
+    messages = aiter_with_timeout(stream, timeout=timeout)
+    try:
+        async for message in messages:
+            if _is_end_mark(message):  # (a stream that ends without it broke off: state_sync counts the tensors)
+                break
+            received += message.ByteSize()
+            if time.monotonic() - reported > PROGRESS_EVERY:
+                reported = time.monotonic()
+                logger.info(f"state download from {donor[-8:]}: {received / 1e6:,.0f} of {total / 1e6:,.0f} MB "
+                            f"({received / 1e6 / (reported - started):.1f} MB/s)")
+            if message.metadata:
+                metadata = averager.serializer.loads(message.metadata)
+                resuming = resume is not None and into is not None
+                digests = _listed(metadata, expected, len(staging)) if resuming else None
+            if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
+                tensors.append(complete(parts))
+                parts = []
+            parts.append(message.tensor_part)
+    finally:  # we hang up first, the donor waits for it (p2pd_internals.until_the_caller_hangs_up)
+        await messages.aclose()
+        await stream.aclose()
     if parts:
         tensors.append(complete(parts))
     if metadata is None:

@@ -12,6 +12,7 @@ installed hivemind and fails, naming the attribute and the version, where they d
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 from collections.abc import Iterator
@@ -55,8 +56,35 @@ INVENTORY = (
     PrivateUse(P2PD_CLIENT_CLASS, "disconnect", "call", "reachability.py: the prober hangs up after a dial-back",
                ("peer_id",)),
     PrivateUse(P2P_CLASS, "_make_process_args", "patch", "p2pd_flags: relay.py, join.py (process-wide)"),
+    PrivateUse(P2P_CLASS, "_add_protobuf_stream_handler", "relies",
+               "until_the_caller_hangs_up: a caller that closes the stream cancels the handler",
+               ("name", "handler", "input_protobuf_type", "max_prefetch", "balanced"),
+               "f72a7faa60ec83fde67c3698415e4738961a131e736fb26301c4b7aa9514057c"),
+    PrivateUse(P2P_CLASS, "_iterate_protobuf_stream_handler", "relies",
+               "until_the_caller_hangs_up: closing the caller's iterator closes the stream",
+               ("peer_id", "name", "requests", "output_protobuf_type"),
+               "132d50ef5ecd4e13ad2886337e87cc47983abf9dae05afe9f6f9deee74401bf7"),
 )
 """Every private name of hivemind's P2P this package relies on (see ``PrivateUse``)."""
+
+HANG_UP_WAIT = 60.0
+"""Seconds a stream handler that has sent everything waits for its caller to hang up (``until_the_caller_hangs_up``)."""
+
+
+async def until_the_caller_hangs_up(timeout: float = HANG_UP_WAIT) -> None:
+    """In a stream handler, after its last message: wait until the caller closes the stream (hivemind's
+    ``P2P._add_protobuf_stream_handler`` then cancels the handler, and this wait with it), at most ``timeout``.
+
+    Why a handler must not hang up first: p2pd pipes each stream between the handler's unix socket and the libp2p
+    stream (go-libp2p-daemon's ``doStreamPipe``). When the handler closes its socket, p2pd closes the libp2p
+    stream, reading side first (yamux ``Stream.Close``), which wakes p2pd's other copy loop with "stream reset";
+    if that loop resets the stream before the close has sent its FIN, the caller's yamux drops everything it
+    had received but not yet handed over: the last messages of the stream, up to a receive window (256 KiB and
+    up). hivemind's caller then ends its iteration as if the stream were complete. So our protocols end from the
+    caller's side: the caller knows when it has everything (a count, an end mark) and hangs up; the handler
+    waits here, and a caller that dies resets the stream, which cancels the wait as well.
+    """
+    await asyncio.sleep(timeout)
 
 
 def p2pd_client(p2p: P2P):
