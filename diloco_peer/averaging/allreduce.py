@@ -12,6 +12,9 @@
 4. **Checked numbers** (``robust_aggregation.py``): every part a reducer receives and every average a
    member gets back is checked (shape, finite, weight, norm; direction in robust mode) before use; an
    offender is dropped from the round and reported through ``on_offense``.
+5. **Streams end from the member's side.** A member hangs up once it has every average of a reducer, and the
+   reducer waits for that: a reducer that hung up first could lose its last averages on the way
+   (``p2pd_internals.until_the_caller_hangs_up``; seen as partial rounds, "received 93.1% results").
 
 Two of hivemind's private methods are copied here and changed (``_communicate_with_peer``,
 ``_accumulate_parts_streaming``): ``hivemind_internals.INVENTORY`` records the sha256 of the originals, so
@@ -31,6 +34,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from ..config.faults import NO_FAULTS, Faults
+from ..swarm.p2pd_internals import HANG_UP_WAIT, until_the_caller_hangs_up
 from . import hivemind_internals as internals
 from .compression import deserialize
 from .robust_aggregation import BadContribution, CheckedPartReducer, Limits, check_average
@@ -126,12 +130,16 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def rpc_aggregate_part(self, stream, context):
         self._replying += 1
         self._replies_done.clear()
+        replied = 0
         try:
             async for message in super().rpc_aggregate_part(self._count(stream, RECEIVED, context.remote_id), context):
                 self._traffic[SENT] += message.ByteSize()
                 if context.remote_id in self._relayed:
                     self._traffic[RELAYED] += message.ByteSize()
+                replied += message.code == averaging_pb2.AVERAGED_PART
                 yield message
+            if replied and replied == self.tensor_part_reducer.num_parts:  # the member hangs up once it has them all
+                await until_the_caller_hangs_up(self.reducer_timeout or HANG_UP_WAIT)
         finally:
             self._replying -= 1
             if self._replying == 0:
@@ -172,20 +180,33 @@ class ExactAllReduceRunner(AllReduceRunner):
             stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
+            received = await self._receive_averages(peer_id, peer_index, stream)
+            expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+            if received != expected:
+                raise AllreduceException(f"peer {peer_id} sent {received} parts, but we expected {expected}")
+        except BaseException:
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
 
-            own_parts = internals.own_input_parts(self, peer_index)
+    async def _receive_averages(self, peer_id: PeerID, peer_index: int, stream) -> int:
+        """The averages reducer ``peer_id`` sends us, each checked and registered as it comes; returns their number.
+        We hang up once they are all in: the reducer waits for that (``p2pd_internals.until_the_caller_hangs_up``)."""
+        own_parts = internals.own_input_parts(self, peer_index)
+        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
 
-            def _decode(message):
-                if message.code != averaging_pb2.AVERAGED_PART:
-                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
-                try:
-                    return deserialize(message.tensor_part)
-                except Exception as e:
-                    return BadContribution("malformed", f"undecodable averaged part: {type(e).__name__}: {e}")
+        def _decode(message):
+            if message.code != averaging_pb2.AVERAGED_PART:
+                raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+            try:
+                return deserialize(message.tensor_part)
+            except Exception as e:
+                return BadContribution("malformed", f"undecodable averaged part: {type(e).__name__}: {e}")
 
-            part_index = 0
-            async for averaged in amap_in_executor(_decode, aiter_with_timeout(stream, self.reducer_timeout),
-                                                   max_prefetch=self.tensor_part_container.prefetch):
+        part_index = 0
+        replies = amap_in_executor(_decode, aiter_with_timeout(stream, self.reducer_timeout),
+                                   max_prefetch=self.tensor_part_container.prefetch)
+        try:
+            async for averaged in replies:
                 try:
                     if isinstance(averaged, BadContribution):
                         raise averaged
@@ -197,12 +218,12 @@ class ExactAllReduceRunner(AllReduceRunner):
                     raise AllreduceException(f"refused the average of reducer {peer_id}: {problem}") from None
                 self._register(peer_index, part_index, averaged)
                 part_index += 1
-            expected = self.tensor_part_container.num_parts_by_peer[peer_index]
-            if part_index != expected:
-                raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected}")
-        except BaseException:
-            self.tensor_part_container.register_failed_reducer(peer_index)
-            raise
+                if part_index == expected:
+                    break
+        finally:
+            await replies.aclose()
+            await stream.aclose()
+        return part_index
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         # as in hivemind, but the reply is the averaged part itself rather than (average - sender's part)
