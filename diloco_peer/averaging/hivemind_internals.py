@@ -85,8 +85,9 @@ INVENTORY = (
     PrivateUse(AVERAGER, "run_in_background", "relies",
                "keeping_our_sigint: it sets SIGINT to SIG_IGN in the calling process, before it forks",
                ("await_ready", "timeout"), "028dd8b1e9b723d83bf30d357049eea84d9c26b94d318282bd34835dadf39fb7"),
-    PrivateUse(MATCHMAKING, "_request_join_group", "patch", "patch_join_requests (per averager instance)",
-               ("leader",)),
+    PrivateUse(MATCHMAKING, "_request_join_group", "patch", "patch_join_requests (per averager instance); and "
+               "PseudoGradientAverager.rpc_join_group relies on it closing its stream once it has the leader's word",
+               ("leader",), "df823040a94d1c1ddb28c15536b631502954dd03024ac943820a21075e335b43"),
     PrivateUse(MATCHMAKING, "_check_reasons_to_reject", "patch",
                "reject_stale_join_requests (per averager instance): turns away a request that waited too long",
                ("request", "context")),

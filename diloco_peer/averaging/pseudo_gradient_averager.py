@@ -37,6 +37,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 
 from ..config.faults import NO_FAULTS, Faults
 from ..swarm.admission import Admission
+from ..swarm.p2pd_internals import until_the_caller_hangs_up
 from ..training.outer_optimizer import flat_tensors
 from . import hivemind_internals as internals
 from . import state_transfer
@@ -171,6 +172,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             if kind != "banned":  # a banned peer knocking again is not a new offense
                 self._report(context.remote_id, kind, why)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            await until_the_caller_hangs_up()
             return
         self._join_arrivals[id(context)] = time.monotonic()  # see internals.reject_stale_join_requests
         try:
@@ -178,6 +180,9 @@ class PseudoGradientAverager(DecentralizedAverager):
                 yield message
         finally:
             self._join_arrivals.pop(id(context), None)
+        # the follower hangs up once it has our last word (hivemind's request_join_group closes the stream): our
+        # hanging up first could lose that word (BEGIN_ALLREDUCE), and the follower would miss a group it is in
+        await until_the_caller_hangs_up()
 
     def report_offense(self, peer: str, kind: str, detail: str) -> None:
         """From the host process: count an offense found there (e.g. a corrupt state download) towards a ban."""
