@@ -2,12 +2,15 @@
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import wait_until
+from hivemind.compression import NoCompression
 from hivemind.dht import DHT
 
+from diloco_peer.averaging import state_transfer
 from diloco_peer.averaging.averager import RoundAverager
 from diloco_peer.config import load_config
 from diloco_peer.config.faults import FAULT_ENV, NO_FAULTS, Faults
@@ -429,3 +432,26 @@ def test_a_newcomer_rejects_a_corrupt_donor_and_syncs_from_an_honest_one(local_s
     # every state the corrupt peer served was refused, by us and by each peer each time it tried it
     ours = sum(err == rejected for r in results for err in r.donor_errors)
     assert len(serves("corrupt")) == ours + len(refusals), (serves("corrupt"), results, syncs)
+
+
+def test_a_donor_ends_with_an_end_mark_and_waits_for_the_downloader_to_hang_up():
+    """p2pd may drop a stream's last messages when their sender hangs up first (``p2pd_internals``): a donor's
+    stream ends with an end mark, after which the donor waits, open, until the downloader hangs up."""
+    donor = SimpleNamespace(state_compression=NoCompression(), faults=NO_FAULTS)
+    tensors = [torch.randn(3, 4), torch.randn(5)]
+
+    async def serve_and_hang_up():
+        stream = state_transfer.serve(donor, b"metadata", tensors, None)
+        messages = [await anext(stream) for _ in range(len(tensors) + 1)]
+        waiting = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.5)
+        still_open = not waiting.done()
+        waiting.cancel()  # the downloader hangs up: hivemind cancels the handler
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        return messages, still_open
+
+    messages, still_open = asyncio.run(serve_and_hang_up())
+    assert [m.tensor_part.size for m in messages[:-1]] == [[3, 4], [5]] and messages[0].metadata == b"metadata"
+    assert state_transfer._is_end_mark(messages[-1]) and not any(map(state_transfer._is_end_mark, messages[:-1]))
+    assert still_open, "the donor hung up first: the end of its stream could be lost"
