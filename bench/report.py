@@ -40,6 +40,10 @@ TABLES = {
                               ["link_mbit", "H", "codec", "overlap", "hivemind_averaging", "seconds_per_round.ours",
                                "seconds_per_round.hivemind", "mode"]),
     "gpu": ("GPU (`bench/gpu.py`)", "see the benchmark's docstring", ["config", "device", "metric"]),
+    "stream_ends": ("Streams cut short by p2pd's reset race (`bench/stream_ends.py`)",
+                    "streams that lost their last messages when the caller hangs up first (ours); baseline: when "
+                    "the handler does (hivemind's way), in the same run, under CPU load",
+                    ["streams", "messages", "message_bytes", "read_delay_s", "quick"]),
 }
 
 
