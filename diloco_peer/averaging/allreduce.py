@@ -112,11 +112,14 @@ class ExactAllReduceRunner(AllReduceRunner):
         return self._compression.compress(tensor, CompressionInfo.from_tensor(tensor))
 
     async def _count(self, messages, slot: int, peer: PeerID):
-        async for message in messages:
-            self._traffic[slot] += message.ByteSize()
-            if peer in self._relayed:
-                self._traffic[RELAYED] += message.ByteSize()
-            yield message
+        try:
+            async for message in messages:
+                self._traffic[slot] += message.ByteSize()
+                if peer in self._relayed:
+                    self._traffic[RELAYED] += message.ByteSize()
+                yield message
+        finally:  # closing the count closes the stream it counts: how a member hangs up on its reducer
+            await messages.aclose()
 
     async def _generate_input_for_peer(self, peer_index: int):
         async for message in super()._generate_input_for_peer(peer_index):
