@@ -172,8 +172,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             if kind != "banned":  # a banned peer knocking again is not a new offense
                 self._report(context.remote_id, kind, why)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            await until_the_caller_hangs_up()
-            return
+            return  # (no wait for the hang-up: a refused peer is refused whether or not this word reaches it)
         self._join_arrivals[id(context)] = time.monotonic()  # see internals.reject_stale_join_requests
         try:
             async for message in super().rpc_join_group(request, context):
