@@ -215,8 +215,9 @@ class AveragingConfig(_Section):
     start_when_complete: bool = False
     """A group that holds every live peer the round gate saw starts its all-reduce at once instead of at the end
     of ``matchmaking_time`` (blocking rounds: 0.80 instead of 0.60 of the time training on 20 Mbit/s links).
-    Off by default for now: with it, 2 of 4 runs of a 3-peer loopback test had a round in which part of one
-    reducer's answer went missing (healed by a state sync; not understood yet, BENCHMARKS.md)."""
+    Off by default for now: the partial rounds it once showed were p2pd's reset race, now avoided
+    (``p2pd_internals.until_the_caller_hangs_up``), but with it on, the fresh-clone suite's lie-from-the-first-
+    second test ended an honest peer 5% over the clean run's eval loss (2.593 vs 2.465), not understood yet."""
     request_timeout: float = Field(2.0, gt=0)
     allreduce_timeout: float = Field(60.0, gt=0)
     """Seconds after which an all-reduce is abandoned and the round falls back to a solo step."""
