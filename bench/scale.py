@@ -146,7 +146,9 @@ class Swarm:
         self.workdir, self.sets, self.config = workdir, sets, config
         self.procs: dict[str, subprocess.Popen] = {}
         self.address = ""
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # this checkout first, then whatever the caller's PYTHONPATH holds (packages installed with --target)
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        self.env = {**os.environ, "PYTHONPATH": path}
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         with open(self.workdir / f"{name}.log", "a") as log:
@@ -221,7 +223,7 @@ def run(args, workdir: Path, sampler: Sampler, ran: dict) -> None:
             "checkpoint.keep=1", f"averaging.compression={json.dumps(args.compression)}", *args.set]
     swarm = Swarm(workdir, sets, config)
     phases = ran["phases"] = {}
-    ran["swarm"] = swarm
+    ran["swarm"], ran["peers"] = swarm, []
     try:
         swarm.start_bootstrap()
         peers = [f"peer-{i}" for i in range(args.peers)]
