@@ -52,6 +52,20 @@ def reach(swarm, name: str) -> list[dict]:
     return [e for e in swarm.events(name) if e["event"] == "reachability"]
 
 
+def story(swarm, names) -> str:
+    """Each peer's rounds on one line, then its warnings: what a failed assertion needs to be understood later
+    (in CI the logs go with the machine)."""
+    lines = []
+    for name in names:
+        done = [f"{r['round']} {r['outcome']} x{r['group_size']} {r['round_seconds']:.1f}s {r['error']}".strip()
+                for r in rounds(swarm, name)]
+        lines.append(f"{name}: " + "; ".join(done))
+        log = (swarm.workdir / f"{name}.log").read_text().splitlines()
+        lines += [f"  {line[:300]}" for line in log
+                  if any(word in line for word in (" WARN", " ERROR", "[WARN]", "[ERROR]", "hivemind.averaging"))][-25:]
+    return "\n".join(lines)
+
+
 def boot(swarm, net, port: int = 31337, *extra: str, log_name: str = "bootstrap.log") -> str:
     return swarm.start_bootstrap(*extra, listen=f"/ip4/{net.public_address}/tcp/{port}", netns=net.public,
                                  log_name=log_name)
@@ -108,7 +122,8 @@ def test_forwarded_port_is_direct_and_mixes_with_relayed_and_outbound_only_peers
     forwarded = local_swarm.start_peer(
         "forwarded", *sets, netns=net.home(1),
         args=["--listen", "/ip4/0.0.0.0/tcp/40001", "--announce", f"/ip4/{net.router_address(1)}/tcp/40001"])
-    relayed = local_swarm.start_peer("relayed", *sets, netns=net.home(2))
+    # hivemind's matchmaking logs at debug level: the relayed peer's lines say why it missed a group (story())
+    relayed = local_swarm.start_peer("relayed", *sets, netns=net.home(2), env={"HIVEMIND_LOGLEVEL": "DEBUG"})
     # told to use a relay that is down: it can neither be dialed nor relayed
     outbound = local_swarm.start_peer("outbound", *sets, f"swarm.relays=[{DEAD_RELAY!r}]".replace("'", '"'),
                                       netns=net.home(3))
@@ -122,7 +137,8 @@ def test_forwarded_port_is_direct_and_mixes_with_relayed_and_outbound_only_peers
     for name in ("forwarded", "relayed", "outbound"):
         done = rounds(local_swarm, name)
         assert [r["round"] for r in done] == [1, 2, 3]
-        assert all(r["outcome"] == "averaged" and r["group_size"] == 3 for r in done), (name, done)
+        assert all(r["outcome"] == "averaged" and r["group_size"] == 3 for r in done), \
+            story(local_swarm, ("forwarded", "relayed", "outbound"))
     for fwd, rel, out in zip(*(rounds(local_swarm, n) for n in ("forwarded", "relayed", "outbound"))):
         # the direct peer reduces the whole vector (it receives both others' parts), the relayed one nothing,
         # so the relay carries only the relayed peer's own part and its average; the outbound-only peer dials
