@@ -12,8 +12,10 @@ a round (alone, a round has no network time: this is the daemon's own cost per r
 The all-reduce share is extrapolated from measured bytes: the model's real pseudo-gradient messages
 (every parameter tensor encoded by the wire codec into hivemind's protobuf, ``ByteSize()``) times the
 butterfly all-reduce's 2 (K-1)/K through each peer's uplink, over 1 Gbit/s and 100 Mbit/s, against the
-measured compute time of a round at the paper's H=500. Blocking mode pays that time each round;
-overlapped mode hides it when it is shorter than a round. Writes ``gpu`` figures.
+compute time of a round at the paper's H=500 with the config's own batch (its tokens per inner step at the
+measured tokens/s: a ``--set inner.grad_accum=1`` that shortens this run's steps does not shorten that round).
+Blocking mode pays that time each round; overlapped mode hides it when it is shorter than a round. Writes
+``gpu`` figures.
 """
 
 from __future__ import annotations
@@ -74,9 +76,16 @@ def main() -> int:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         s = measure(Path(tmp), 1)
     tokens_per_second = s["tokens"] / (s["compute_seconds_per_round"] * s["rounds"])
-    round_500 = s["compute_seconds_per_round"] * 500 / H  # compute time of a round at the paper's H
-    print(f"\ntokens/s {tokens_per_second:,.0f} | utilization {s['utilization']:.4f} | compute per round at "
-          f"H=500: {round_500:.1f} s | {s['parameters'] / 1e6:.1f}M parameters")
+    return report(args, cfg, device, s, tokens_per_second)
+
+
+def report(args, cfg, device: str, s: dict, tokens_per_second: float) -> int:
+    """Print and (on a GPU) save the figures of a run: ``s`` as ``swarm_bench.measure`` returns it."""
+    shipped = load_config(args.config, OFFLINE).inner  # the config's batch, whatever this run's --set said
+    step_tokens = shipped.batch_size * shipped.grad_accum * cfg.data.seq_len
+    round_500 = 500 * step_tokens / tokens_per_second  # compute time of a round at the paper's H
+    print(f"\ntokens/s {tokens_per_second:,.0f} | utilization {s['utilization']:.4f} | compute per round at H=500 "
+          f"({step_tokens:,} tokens per inner step): {round_500:.1f} s | {s['parameters'] / 1e6:.1f}M parameters")
     figures = [
         figure("gpu", round(tokens_per_second, 1), 0.0, config=args.config, device=device, metric="tokens_per_second"),
         figure("gpu", round(s["utilization"], 4), 1.0, config=args.config, device=device, metric="utilization"),
@@ -92,7 +101,7 @@ def main() -> int:
             figures.append(figure("gpu", round(share, 4), 1.0, config=args.config, device=device,
                                   metric=f"allreduce_share_{codec}_{mbit}mbit_K{args.peers}_H500",
                                   allreduce_seconds=round(seconds, 2), compute_seconds=round(round_500, 2)))
-    if torch.cuda.is_available():
+    if device != "cpu":
         save(figures)
     else:
         print("\n(a dry run on the CPU: nothing written to bench/results.json)")
