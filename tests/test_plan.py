@@ -100,8 +100,9 @@ def test_the_peak_counts_phases_that_can_be_live_together_once():
     assert blocking[CPU] < sum(row.bytes.get(CPU, 0) for row in table)
     overlapped = load_config("tiny-cpu", [*sets, "outer.overlap=eager"])
     assert peaks(buffers(overlapped, shape), overlapped=True)[CPU] > blocking[CPU]
-    # a GPU peer keeps the replica and its optimizer on the GPU: the host holds the outer side only
-    assert blocking[GPU_HOST] < blocking[CPU] and blocking[GPU] > 16 * shape.parameters
+    # a GPU peer keeps the replica and its optimizer on the GPU: the host holds the outer side only (and the CUDA
+    # runtime's fixed share, more than this tiny model's whole state)
+    assert blocking[GPU_HOST] - mp.CUDA_HOST_RUNTIME_BYTES < blocking[CPU] and blocking[GPU] > 16 * shape.parameters
 
 
 def test_the_replica_is_lent_to_the_round_only_where_it_is_free_during_it():

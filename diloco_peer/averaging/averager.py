@@ -154,11 +154,20 @@ class RoundAverager:
     def release(self) -> None:
         """The round's buffers are consumed (the outer step, or a state sync, is done with them): their memory goes
         back to the system until the next round writes them. Not while an all-reduce may still use them."""
+        self._release(inputs=True)
+
+    def release_average(self) -> None:
+        """A round that failed (or whose average we refused): its average is never read, while our pseudo-gradient
+        stays for a solo step should no state be had from the others. The average's memory goes back now, before
+        the state download that usually follows needs as much again (4 bytes per parameter)."""
+        self._release(inputs=False)
+
+    def _release(self, inputs: bool) -> None:
         lock = self.averager.lock_averaged_tensors
         if self._in_flight or not lock.acquire(block=False):  # (busy: an abandoned round's all-reduce, still on)
             return
         try:
-            if self._owns_inputs:
+            if inputs and self._owns_inputs:
                 release_pages(self._inputs)
             release_pages(self._outputs)
         finally:

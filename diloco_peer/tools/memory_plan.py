@@ -36,6 +36,11 @@ RUNTIME_HOST_BYTES = 520 * 2**20
 """Python, torch and hivemind in the peer process, its DHT and averager processes, p2pd, torch's shared-memory
 manager: the proportional set size (shared pages counted once) of a tiny-cpu peer's process tree at its peak
 (573 MiB, measured on Linux with torch 2.13 CPU, 2 peers averaging) less the rows of this table for it (~60 MiB)."""
+CUDA_HOST_RUNTIME_BYTES = 1135 * 2**20
+"""What training on a GPU adds on the host beyond ``RUNTIME_HOST_BYTES``: the CUDA driver's and torch's CUDA
+libraries' memory in the peer process, and their share in the processes around it. Measured on an H200 peer
+(llama-150m, batch 1 x 64 tokens, torch 2.11+cu130, Python 3.12, ``bench/scale.py --set inner.device=cuda``): its
+process tree held 1.77 GB outside shared memory at its peak, against 0.58 GB of this table's rows for it."""
 CUDA_CONTEXT_BYTES = 600 * 2**20
 """The CUDA context and kernels torch loads on the GPU before the first tensor (~0.5-0.7 GiB, by GPU)."""
 LOSS_TRANSIENT_PER_VOCAB = 8
@@ -206,6 +211,8 @@ def _training_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
              cpu=data_bytes(data, cfg.model.vocab_size), gpu_host=data_bytes(data, cfg.model.vocab_size)),
         _row("runtime (Python, torch, hivemind processes, p2pd)", "measured (RUNTIME_HOST_BYTES)",
              "resident", cpu=RUNTIME_HOST_BYTES, gpu_host=RUNTIME_HOST_BYTES),
+        _row("CUDA runtime on the host (driver, torch's CUDA libraries)", "measured (CUDA_HOST_RUNTIME_BYTES)",
+             "resident", gpu_host=CUDA_HOST_RUNTIME_BYTES),
         _row("CUDA context", "torch (CUDA_CONTEXT_BYTES)", "resident", gpu=CUDA_CONTEXT_BYTES),
     ]
 
