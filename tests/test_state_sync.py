@@ -15,7 +15,7 @@ from diloco_peer.averaging.averager import RoundAverager
 from diloco_peer.config import load_config
 from diloco_peer.config.faults import FAULT_ENV, NO_FAULTS, Faults
 from diloco_peer.state import state_sync
-from diloco_peer.state.state_sync import StateSync, Target, swarm_target
+from diloco_peer.state.state_sync import FALLING_BEHIND, StateSync, Target, swarm_target
 from diloco_peer.swarm.progress import ProgressRecord, add_progress_validators, fetch_progress
 from diloco_peer.training.model import build_model, param_sha256, state_digest
 from diloco_peer.training.outer_optimizer import OuterOptimizer
@@ -148,6 +148,21 @@ def test_newcomer_downloads_weights_momentum_and_epoch(peers):
     donor.outer.step(update)
     newcomer.outer.step(update)
     assert param_sha256(newcomer.outer.params) == param_sha256(donor.outer.params)
+
+
+def test_a_peer_that_only_ever_syncs_says_why_it_does_not_catch_up(peers, caplog):
+    """A joiner whose download outlasts the swarm's rounds arrives one epoch late each time and downloads again (on
+    an H200: 13 downloads in 200 s and no round). After ``FALLING_BEHIND`` syncs with no round of its own between
+    them it says why, once; a round of its own starts the count again."""
+    donor, newcomer = peers(), peers()
+    for _ in range(FALLING_BEHIND + 1):
+        donor.advance(1)
+        assert asyncio.run(newcomer.sync.sync(donor.target())).ok
+    warned = [r.getMessage() for r in caplog.records if "syncs in a row" in r.getMessage()]
+    assert len(warned) == 1 and f"from epoch 1 to {FALLING_BEHIND}" in warned[0], warned
+    assert "outer.inner_steps" in warned[0] and len(newcomer.sync.behind) == FALLING_BEHIND + 1
+    newcomer.advance(1)
+    assert newcomer.sync.behind == []
 
 
 def test_bad_donors_are_skipped_and_the_next_one_tried(peers):

@@ -60,6 +60,10 @@ from ..training.outer_optimizer import OuterOptimizer, flat_tensors
 
 logger = logging.getLogger(__name__)
 
+FALLING_BEHIND = 3
+"""Syncs in a row with no outer step of our own between them: at this many, the peer says why it is not catching
+up (a joiner whose download outlasts the swarm's rounds arrives one epoch late every time, and downloads again)."""
+
 
 def state_sha256(params: list[torch.Tensor], momentum: list[torch.Tensor], epoch: int, inner_step: int) -> str:
     """The hash a peer publishes of its state: equal iff every part of what a donor serves is bit-identical.
@@ -150,6 +154,8 @@ class StateSync:
             averager.served.spill_to(spill_dir, int(cfg.serve_copy_in_memory_mb * 2**20))
         self.state_hash = self._own_hash()
         averager.state_provider = self._current_state
+        self.behind: list[tuple[int, float]] = []
+        """(epoch, seconds) of each sync since our last outer step (``FALLING_BEHIND``)."""
 
     def _own_hash(self) -> str:
         outer = self.outer
@@ -160,6 +166,20 @@ class StateSync:
     def after_outer_step(self) -> None:
         """Call (under ``lock``) after the outer state changed: refresh the published hash."""
         self.state_hash = self._own_hash()
+        self.behind.clear()  # a round of our own: we keep up
+
+    def _count_behind(self, result: SyncResult) -> None:
+        """One more sync without a round of our own; at ``FALLING_BEHIND`` in a row, say why that goes on."""
+        self.behind.append((result.epoch, result.seconds))
+        if len(self.behind) != FALLING_BEHIND:
+            return
+        first, last = self.behind[0][0], self.behind[-1][0]
+        seconds = ", ".join(f"{s:.1f}" for _, s in self.behind)
+        logger.warning(f"state sync: {len(self.behind)} syncs in a row with no round of our own between them (the "
+                       f"swarm went from epoch {first} to {last} meanwhile; downloads of {seconds} s): its rounds "
+                       f"end faster than this peer downloads its state, so it arrives one epoch late each time (or "
+                       f"our rounds keep failing: see above). A faster link, or longer rounds for the whole swarm "
+                       f"(a larger outer.inner_steps), would let it catch up")
 
     def _current_state(self):
         # hivemind calls this in a thread of ours when a peer downloads our state: the live tensors (in shared
@@ -285,6 +305,7 @@ class StateSync:
             return result
         if later is not None and await self._take(later, target, result):
             result.seconds = time.perf_counter() - started
+            self._count_behind(result)
             return result
         later = None
         self.averager.allow_state_sharing = False  # nobody should download from us while we are behind
@@ -324,6 +345,8 @@ class StateSync:
         finally:
             self.averager.allow_state_sharing = True
             result.seconds = time.perf_counter() - started
+        if result.ok:
+            self._count_behind(result)
         return result
 
 
