@@ -169,9 +169,11 @@ class StateSync:
         self.behind.clear()  # a round of our own: we keep up
 
     def _count_behind(self, result: SyncResult) -> None:
-        """One more sync without a round of our own; at ``FALLING_BEHIND`` in a row, say why that goes on."""
-        self.behind.append((result.epoch, result.seconds))
-        if len(self.behind) != FALLING_BEHIND:
+        """One more sync without a round of our own (if it succeeded); at ``FALLING_BEHIND`` in a row, say why
+        that goes on."""
+        if result.ok:
+            self.behind.append((result.epoch, result.seconds))
+        if not result.ok or len(self.behind) != FALLING_BEHIND:
             return
         first, last = self.behind[0][0], self.behind[-1][0]
         seconds = ", ".join(f"{s:.1f}" for _, s in self.behind)
@@ -345,8 +347,7 @@ class StateSync:
         finally:
             self.averager.allow_state_sharing = True
             result.seconds = time.perf_counter() - started
-        if result.ok:
-            self._count_behind(result)
+        self._count_behind(result)
         return result
 
 
