@@ -275,8 +275,7 @@ class OuterRounds:
             if exchange.off_swarm:
                 logger.warning(f"round {epoch + 1}: {exchange.off_swarm}: taking the swarm's state after this round")
             if not result.ok:  # we no longer average this epoch: peers whose round failed too need not wait for us
-                self.averager.round_failed()
-                self.averager.release_average()  # (a download may follow: it needs the memory)
+                self.averager.round_failed()  # (it also hands back the average's memory: a download may follow)
                 await self.progress.publish(ready=False)
             # a peer that died mid-round stops counting when its record expires, after 3 heartbeats
             records = await self._round_end(epoch, extra=3 * self.cfg.averaging.heartbeat, ready_only=True)

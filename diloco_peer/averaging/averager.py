@@ -271,9 +271,11 @@ class RoundAverager:
 
     def round_failed(self) -> None:
         """Our pseudo-gradient of the last ``average`` was not applied by anyone: the error-feedback residual
-        goes back to what it was before that round (``ErrorFeedback.undo``), so that nothing it held is lost."""
+        goes back to what it was before that round (``ErrorFeedback.undo``), so that nothing it held is lost, and
+        the round's average, never to be read, gives its memory back (``release_average``)."""
         if self.feedback is not None:
             self.feedback.undo()
+        self.release_average()
 
     def reset_feedback(self) -> None:
         """Forget the error-feedback residual (after a state sync replaced the weights it belonged to)."""
