@@ -59,6 +59,7 @@ MODELS = {
     "mid": ("llama-150m", ["model.hidden_size=512", "model.num_layers=6", "model.num_heads=8", "model.num_kv_heads=8",
                            "model.ffn_hidden_size=1376"]),
     "llama-150m": ("llama-150m", []),
+    "llama-1b": ("llama-1b", []),
 }
 GB = 1e9
 
@@ -334,7 +335,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=list(MODELS), default="llama-150m",
-                        help="tiny (0.4M), mid (19M, what --quick runs) or llama-150m (151M with a byte vocabulary)")
+                        help="tiny (0.4M), mid (19M, what --quick runs), llama-150m (151M with a byte vocabulary) or llama-1b "
+                             "(0.97B with a byte vocabulary: a GPU machine's memory)")
     parser.add_argument("--peers", type=int, default=2, help="peers that train together, e.g. 2")
     parser.add_argument("--rounds", type=int, default=3, help="rounds every peer averages before the joiner, e.g. 3")
     parser.add_argument("--quick", action="store_true", help="--model mid --rounds 2")
