@@ -120,7 +120,8 @@ class OuterOptimizer:
         blocking rounds on a CPU: ``model.move_parameters``) get it in place: until ``step`` or ``load_state``
         load the outer weights back into it, the replica holds the pseudo-gradient, not weights."""
         trim_heap()  # the round's buffers are about to be written: the inner steps' freed gradients go back first
-        replica = [p.detach().to("cpu", torch.float32) for p in self.model.parameters()]
+        # one tensor at a time: a GPU replica comes to the host a tensor at a time, never as a whole extra copy
+        replica = (p.detach().to("cpu", torch.float32) for p in self.model.parameters())
         if self.pseudo_gradient_buffers is None:
             return [outer - p for outer, p in zip(self.params, replica)]
         for outer, p, out in zip(self.params, replica, self.pseudo_gradient_buffers):
