@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from results import figure, save  # noqa: E402
 
+from diloco_peer.config import load_config  # noqa: E402
 from diloco_peer.observe.events import read_events  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,8 +161,9 @@ class Swarm:
 
     def start_bootstrap(self) -> None:
         address_file = self.workdir / "bootstrap.addr"
+        run_id = load_config(self.config, self.sets).run.run_id  # (it shows that run's progress, not the default's)
         proc = self._spawn("bootstrap", [*CLI, "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0",
-                                         "--address-file", str(address_file)])
+                                         "--address-file", str(address_file), "--run-id", run_id])
         deadline = time.monotonic() + 60
         while not address_file.exists() or not address_file.read_text().strip():
             if proc.poll() is not None or time.monotonic() > deadline:
