@@ -282,7 +282,7 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
         assert proc.wait(timeout=240) == 0, (local_swarm.workdir / f"{name}.log").read_text()[-3000:]
 
     evil_id = next(e["peer_id"] for e in local_swarm.events("evil") if e["event"] == "start")
-    last, banned_in = {}, {}
+    last, seen, banned_in = {}, {}, {}
     for name in honest:
         events = local_swarm.events(name)
         assert {e["offender"] for e in events if e["event"] == "offense"} == {evil_id}, name  # nobody else accused
@@ -296,10 +296,18 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
         assert "exception was never retrieved" not in (local_swarm.workdir / f"{name}.log").read_text(), name
         if name != "p0":  # p0's ban never costs the others a round (p0 itself stays out of a group evil leads)
             assert "failed" not in [r["outcome"] for r in rounds_seen], rounds_seen
-        last[name] = rounds_seen[-1]
+        last[name], seen[name] = rounds_seen[-1], rounds_seen
     assert banned_in["p0"] == 1, banned_in  # p0 held the ban alone from round 1; the others at most a round later
     assert all(banned_in[p] is None or banned_in[p] > 1 for p in ("p1", "p2")), banned_in
     assert {r["round"] for r in last.values()} == {rounds}, last
-    assert len({r["param_sha256"] for r in last.values()}) == 1, last  # the honest replicas are identical
-    loss = last["p0"]["eval_loss"]
+    # the honest replicas are identical: all three after the last round; or p0 sat that round out (a group the
+    # attacker led: p0 refuses a banned leader) and stepped alone, because the others had left the swarm (their
+    # last round) by the time it looked for the state they ended it with (seen in CI). Then the two that averaged
+    # it are identical, and all three were the round before.
+    averaged = {name: r["param_sha256"] for name, r in last.items() if r["outcome"] == "averaged"}
+    assert len(averaged) >= 2 and len(set(averaged.values())) == 1, last
+    if len(averaged) < len(last):
+        assert set(last) - set(averaged) == {"p0"} and "could not find a group" in last["p0"]["error"], last
+        assert len({seen[name][-2]["param_sha256"] for name in last}) == 1, seen
+    loss = last[min(averaged)]["eval_loss"]
     assert loss < clean[-1] * 1.02, (loss, clean)
