@@ -192,7 +192,7 @@ class OuterRounds:
             return Exchange(decision, RoundResult(ok=False, error=decision.reason), off_swarm=off_swarm)
         self.events.write("averaging", peer=self.name, epoch=epoch, ready_peers=decision.ready)
         return Exchange(decision, await self.averager.average(pseudo_gradient, weight=tokens, epoch=epoch,
-                                                              expected=decision.alive if cfg.start_when_complete
+                                                              expected=decision.expected if cfg.start_when_complete
                                                               else None),
                         off_swarm=off_swarm)
 

@@ -178,7 +178,8 @@ class RoundAverager:
         """All-reduce ``pseudo_gradient`` (weighted by ``weight``, the tokens behind it) with a group.
 
         :param epoch: our outer epoch: only peers averaging the same epoch share a group
-        :param expected: how many peers (us included) the round gate saw alive: once that many are in the group,
+        :param expected: how many peers (us included) may come, by the live records the round gate saw (trusted or
+          not: ``ReadyDecision.expected``): once that many are in the group,
           its all-reduce starts at once; ``averaging.matchmaking_time`` only bounds the wait for peers that do not
           show up (a straggler still training, a peer that died). None (or fewer than 2): the group gathers for
           the whole window. (The count of *ready* peers would turn a peer away that got ready just after another

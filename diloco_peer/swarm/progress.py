@@ -196,6 +196,10 @@ class ReadyDecision:
     reason: str
     records: list[ProgressRecord] = field(default_factory=list)
     """The live records the decision was made on (ours included)."""
+    expected: int = 0
+    """Peers that may come to this round's matchmaking (us included): every live record but a banned peer's, also
+    those whose claims we do not trust (a liar may still average; a group started without it, filled up by the
+    trusted count, turned an honest peer away: ``averaging.start_when_complete``). 0: not counted."""
 
 
 class SwarmProgress:
@@ -227,6 +231,8 @@ class SwarmProgress:
         """(peer id, epoch, state hash) claims whose state did not hold -> when we may try them again."""
         self._suspects: dict[str, float] = {}
         """Peer id -> until when its claims count only where another trusted peer confirms them (``distrust``)."""
+        self.present = 1
+        """Live records (ours included) at the last ``swarm_records``, trusted or not, banned peers' left out."""
         self.stats_provider: Callable[[], dict] | None = None
         """Returns the current ``PeerStats`` fields; called at every publication (the heartbeat included)."""
 
@@ -247,8 +253,10 @@ class SwarmProgress:
 
     async def swarm_records(self) -> list[ProgressRecord]:
         """Live records of all peers we trust, ours as it is now (not as the DHT last saw it)."""
-        records = await fetch_progress(self.dht, self.run_id)
-        return self.trusted([r for r in records if r.peer_id != self.record.peer_id]) + [self.record]
+        others = [r for r in await fetch_progress(self.dht, self.run_id) if r.peer_id != self.record.peer_id]
+        trusted = self.trusted(others)  # (it also forgets bans that ended)
+        self.present = 1 + len({r.peer_id for r in others if r.peer_id not in self._banned})
+        return trusted + [self.record]
 
     def ban(self, peer_id: str, seconds: float) -> None:
         """Stop counting ``peer_id``'s records for ``seconds`` (our averager banned it): no vote, no wait for it."""
@@ -355,13 +363,14 @@ class SwarmProgress:
             if len(records) >= min_peers:
                 quorum_since = quorum_since if quorum_since is not None else now
                 if ready == len(same_epoch) and not ahead:
-                    return ReadyDecision(ready, len(records), waited, "all peers of this epoch are ready", records)
+                    return ReadyDecision(ready, len(records), waited, "all peers of this epoch are ready", records, self.present)
                 if now - quorum_since >= ready_timeout:
                     why = (f"ahead of the swarm (epoch {swarm}) after waiting {ready_timeout:g}s for it" if ahead
                            else f"stragglers left behind after {ready_timeout:g}s")
-                    return ReadyDecision(ready, len(records), waited, why, records)
+                    return ReadyDecision(ready, len(records), waited, why, records, self.present)
             elif waited >= min_peers_timeout:
                 return ReadyDecision(ready, len(records), waited,
-                                     f"only {len(records)} of min_peers={min_peers} after {waited:.0f}s", records)
+                                     f"only {len(records)} of min_peers={min_peers} after {waited:.0f}s", records,
+                                     self.present)
             fast = time.monotonic() - started < self.FAST_POLL_WINDOW
             await asyncio.sleep(self.FAST_POLL_SECONDS if fast else self.POLL_SECONDS)
