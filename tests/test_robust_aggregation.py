@@ -17,6 +17,7 @@ from diloco_peer.averaging.robust_aggregation import (
     MIN_DIRECTION_VALUES,
     BadContribution,
     BanList,
+    CheckedPartReducer,
     Limits,
     aggregate,
     capped_bandwidths,
@@ -138,6 +139,27 @@ def test_robust_mode_leaves_the_direction_of_tiny_parts_alone_and_clips_them():
             assert torch.allclose(result, base * (1 + 1.1 - 1.1) / 3, atol=1e-6)
         own = torch.ones(n)
         assert _kind(check_average, -own, own, Limits(robust=True)) == ("direction" if refusal else "")
+
+
+def test_a_sender_whose_stream_goes_away_costs_the_others_nothing():
+    """Every sender of a part waits on one shared future in hivemind's reducer: a sender cancelled while waiting
+    (its stream went away: a member crashed or left) cancelled it for all, and the reducer broke at its next
+    step (InvalidStateError), leaving its whole span un-averaged for everyone. The part must complete for the
+    others, with what the cancelled sender had sent."""
+
+    async def run() -> list[float]:
+        reducer = CheckedPartReducer([torch.Size([1000])] * 2, 3, own=None, limits=Limits(), on_refused=None)
+        parts = [torch.full((1000,), float(s + 1)) for s in range(3)]
+        gone = asyncio.create_task(reducer.accumulate_part(0, 0, parts[0]))
+        waiting = asyncio.create_task(reducer.accumulate_part(1, 0, parts[1]))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        await asyncio.sleep(0.01)
+        reducer.on_sender_failed(0)  # (what hivemind's runner does for a sender whose stream ended)
+        last = asyncio.create_task(reducer.accumulate_part(2, 0, parts[2]))
+        return [float((await asyncio.wait_for(task, 5))[0]) for task in (waiting, last)]
+
+    assert asyncio.run(run()) == [2.0, 2.0]
 
 
 def test_the_bounds_come_from_the_config():

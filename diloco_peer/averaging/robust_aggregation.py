@@ -24,6 +24,8 @@ bytes on every run).
 
 from __future__ import annotations
 
+import asyncio
+
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -169,6 +171,12 @@ def capped_bandwidths(bandwidths: list[float | None]) -> list[float | None]:
     return [min(b, cap) if b is not None and b > 0 else b for b in bandwidths]
 
 
+def _outcome_seen(task: asyncio.Future) -> None:
+    """Marks a shielded accumulation's outcome as read: its caller may be gone (asyncio would log it as lost)."""
+    if not task.cancelled():
+        task.exception()
+
+
 class CheckedPartReducer(TensorPartReducer):
     """hivemind's reducer, but each part is checked on arrival and averaged by ``aggregate`` once complete.
 
@@ -188,7 +196,13 @@ class CheckedPartReducer(TensorPartReducer):
         if 0 <= part_index < self.num_parts and sender_index != self.own:
             check_arrival(tensor_part, self.part_shapes[part_index], weight, self.limits)
         self.contributions.setdefault(part_index, {})[sender_index] = (tensor_part, weight)
-        return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
+        # hivemind's accumulate_part awaits the part's future, which every sender of the part shares: a sender whose
+        # stream went away (a crashed or departing member) is cancelled, and with it that future, for everyone. The
+        # other members of the part then got nothing and the reducer broke (InvalidStateError at its next sender
+        # failure), so the whole span went un-averaged for everyone instead of without that one sender.
+        accumulating = asyncio.ensure_future(super().accumulate_part(sender_index, part_index, tensor_part, weight))
+        accumulating.add_done_callback(_outcome_seen)
+        return await asyncio.shield(accumulating)
 
     def check_current_part_finished(self):
         if self.current_part_accumulated_from < self.num_current_senders:
