@@ -337,8 +337,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=list(MODELS), default="llama-150m",
-                        help="tiny (0.4M), mid (19M, what --quick runs), llama-150m (151M with a byte vocabulary) or llama-1b "
-                             "(0.97B with a byte vocabulary: a GPU machine's memory)")
+                        help="tiny (0.4M), mid (19M, what --quick runs), llama-150m (151M with a byte vocabulary) "
+                             "or llama-1b (0.97B with a byte vocabulary: a GPU machine's memory)")
     parser.add_argument("--peers", type=int, default=2, help="peers that train together, e.g. 2")
     parser.add_argument("--rounds", type=int, default=3, help="rounds every peer averages before the joiner, e.g. 3")
     parser.add_argument("--quick", action="store_true", help="--model mid --rounds 2")

@@ -25,7 +25,6 @@ bytes on every run).
 from __future__ import annotations
 
 import asyncio
-
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
