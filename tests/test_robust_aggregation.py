@@ -326,7 +326,8 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
     # attacker led: p0 refuses a banned leader) and stepped alone, because the others had left the swarm (their
     # last round) by the time it looked for the state they ended it with (seen in CI). Then the two that averaged
     # it are identical, and all three were the round before.
-    averaged = {name: r["param_sha256"] for name, r in last.items() if r["outcome"] == "averaged"}
+    # (a partial round re-syncs before its record: its hash is the swarm's too)
+    averaged = {name: r["param_sha256"] for name, r in last.items() if r["outcome"] in ("averaged", "partial")}
     assert len(averaged) >= 2 and len(set(averaged.values())) == 1, last
     if len(averaged) < len(last):
         assert set(last) - set(averaged) == {"p0"} and "could not find a group" in last["p0"]["error"], last
