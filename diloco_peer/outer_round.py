@@ -240,11 +240,9 @@ class OuterRounds:
                            f"(a peer failed mid-round); checking our weights against the swarm's")
             # compare with the state the others end this round with: wait until one of them has stepped (a
             # peer that died mid-round stops counting when its record expires, after 3 heartbeats)
-            if self.overlapped:
-                # publish our step now, not with the next "ready": every member waits here for the others' step,
-                # and each would wait out the timeout and keep its own state, the replicas parted for a round
+            if self.overlapped:  # our step now, not with the next "ready": each member waits here for the others'
                 await self.progress.publish(epoch=self.outer.epoch, round=self.outer.epoch + 1, ready=False,
-                                            state_hash=self.sync.state_hash)
+                                            state_hash=self.sync.state_hash)  # (else each kept its own state)
             await self._rebase(unsent, await self._round_end(epoch, extra=3 * self.cfg.averaging.heartbeat),
                                ours_now=True)
         if unsent is None:
