@@ -56,6 +56,15 @@ PAUSE_SECONDS, EVERY_ROUNDS = (5.0, 30.0), (2, 4)  # a straggler's pause; swarm 
 SETTLE_ROUNDS, SETTLE_SECONDS = 2, 180.0
 
 
+def _signal_tree(pid: int, sig: signal.Signals) -> None:
+    """``sig`` to a peer and every process under it (its DHT and averager have process groups of their own)."""
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(pid)
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(sig)
+
+
 @dataclass(eq=False)
 class Instance:
     """One run of one peer process (a restarted name is a new instance) and what the soak did to it."""
@@ -181,7 +190,7 @@ class Soak:
             inst.stop = "stuck"
             os.killpg(inst.proc.pid, signal.SIGKILL)  # not reaped yet: the group is still ours
         if inst.paused_until and now >= inst.paused_until:
-            os.killpg(inst.proc.pid, signal.SIGCONT)
+            _signal_tree(inst.proc.pid, signal.SIGCONT)
             inst.paused_until, inst.last_seen = 0.0, now
         if not (inst.stop or inst.paused_until) and now - inst.last_seen > SILENT_SECONDS:
             self._stuck(inst, f"no event for {now - inst.last_seen:.0f}s")
@@ -248,7 +257,7 @@ class Soak:
             if action == "pause":
                 record["seconds"] = round(self.rng.uniform(*PAUSE_SECONDS), 1)
                 inst.paused_until = time.time() + record["seconds"]
-                os.killpg(inst.proc.pid, signal.SIGSTOP)
+                _signal_tree(inst.proc.pid, signal.SIGSTOP)  # a frozen machine: the peer and its children
             else:
                 self._record_tree()  # its children, before a SIGKILL re-parents them
                 inst.stop, inst.stop_sent = action, time.time()

@@ -19,7 +19,13 @@ die before the watcher has started) is still there; a dead parent's children are
 ``getppid()`` changes. The pipe alone is no signal: hivemind's forked children inherit its write end, and the
 end of the pipe without "done" means only that the parent is going. When the parent is gone, the watcher reads
 what is left in the pipe, kills the processes it was told about that still run, deletes the namespaces and
-exits.
+exits. A process that leads a process group of its own is killed with its group: hivemind's DHT process leads
+one (``shutdown._forked_child``), and p2pd, which it starts, is in it.
+
+The parent tells the watcher about every child it forks the moment it forks it (an ``os.register_at_fork`` hook):
+a peer SIGKILLed while it joins, between two attempts to reach a bootstrap, left a DHT process's p2pd behind
+(seen on a loaded machine: the children were only watched once joined). Children of a C library's fork
+(torch's shared-memory manager) are not seen there; the owner watches them itself (``watch``).
 It lives in its own session, so a Ctrl+C or a kill of its parent's process group does not take it down
 before its job is done.
 
@@ -36,6 +42,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -49,23 +56,59 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
+_watching: list[Reaper] = []
+"""The reapers of this process that still watch: each is told about every child this process forks."""
+_fork_hook_registered = False
+
+
+def _after_fork_in_parent() -> None:
+    for reaper in list(_watching):
+        reaper.watch_new_children()
+
+
+def _children() -> list[int]:
+    import psutil
+
+    return [child.pid for child in psutil.Process().children()]
+
+
 class Reaper:
-    """Handle held by the watched process: ``watch(pids)`` after starting children, ``watch_namespaces(names)``
-    before making network namespaces, ``close()`` once it has stopped them itself."""
+    """Handle held by the watched process: ``watch(pids)`` after starting children (those it forks are watched
+    at once), ``watch_namespaces(names)`` before making network namespaces, ``close()`` once it has stopped them
+    itself."""
 
     def __init__(self):
+        global _fork_hook_registered
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "diloco_peer.lifecycle.reaper", str(os.getpid())], stdin=subprocess.PIPE, text=True,
             start_new_session=True,
         )
+        self._lock = threading.Lock()  # the fork hook runs in whichever thread forked
+        self._known = {*_children(), self.proc.pid}  # (children from before are not ours: e.g. a test's)
+        _watching.append(self)
+        if not _fork_hook_registered:  # (once per process: a hook cannot be unregistered)
+            os.register_at_fork(after_in_parent=_after_fork_in_parent)
+            _fork_hook_registered = True
 
     def watch(self, pids: list[int]) -> None:
         """Processes to SIGKILL if we die (those that have exited already are skipped)."""
-        for pid in pids:
-            started = _start_time(pid)
-            if started is not None:
-                self.proc.stdin.write(f"{pid} {started}\n")
-        self.proc.stdin.flush()
+        with self._lock:
+            for pid in pids:
+                started = _start_time(pid)
+                if started is not None:
+                    self.proc.stdin.write(f"{pid} {started}\n")
+            self.proc.stdin.flush()
+
+    def watch_new_children(self) -> None:
+        """Watch the children started since the last call (called after every fork of this process)."""
+        with self._lock:
+            new = [pid for pid in _children() if pid not in self._known]
+            self._known.update(new)
+        if new:
+            try:
+                self.watch(new)
+            except (OSError, ValueError):  # closed (a fork while we stop): nothing is watched any more
+                pass
 
     def watch_namespaces(self, names: list[str]) -> None:
         """Network namespaces to delete if we die; named before they are made, so that none is missed (a name
@@ -76,6 +119,8 @@ class Reaper:
 
     def close(self) -> None:
         """What we watched is stopped: the watcher can go."""
+        if self in _watching:
+            _watching.remove(self)
         try:
             self.proc.stdin.write("done\n")
             self.proc.stdin.close()
@@ -240,7 +285,10 @@ def main() -> None:
     for pid, started in watched.items():
         if _start_time(pid) == started:
             try:
-                os.kill(pid, signal.SIGKILL)
+                if os.getpgid(pid) == pid:  # it leads a group of its own: the group goes too (the DHT's p2pd)
+                    os.killpg(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
     for name in reversed(namespaces):

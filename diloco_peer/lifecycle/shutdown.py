@@ -6,13 +6,15 @@
 - A stop that overruns its grace period ends it too (exit 1): the last complete checkpoint stays valid, since
   checkpoints are written to a temporary file and renamed.
 
-Signals sent to the whole process group (Ctrl+C on a terminal, systemd's stop, ``kill -- -PGID``) reach the
-children too. hivemind forks its DHT and averager processes from ours, and a forked child inherits the event
-loop's signal wakeup fd: its SIGTERM was written into *our* loop, which took it for a second signal and exited
-at once, without leaving cleanly. So a forked child stops sharing it (``_forked_child``) and lets SIGTERM and
-SIGHUP pass (as before, but silently): we stop our children as we leave, through hivemind's pipes, and kill
-what is left (``daemon.PeerDaemon._kill_leftover_children``, the reaper). A program they start (p2pd) gets the
-default handling back with ``exec``.
+Signals sent to the whole process group (Ctrl+C on a terminal, systemd's stop, ``kill -- -PGID``) are for us
+alone: we stop our children as we leave, through hivemind's pipes, and kill what is left
+(``daemon.PeerDaemon._kill_leftover_children``, the reaper). So a child forked from us (hivemind's DHT and
+averager processes) leaves our process group (``_forked_child``), and the libp2p daemon (p2pd) the DHT process
+starts is in the child's group. p2pd used to get the group's SIGTERM or SIGINT and close at once: the DHT could
+no longer withdraw our record (a 5 s wait), the averager no longer unregister (a traceback), and leaving took
+8 s instead of 0.1. A forked child also stops sharing our event loop's signal wakeup fd (it inherits it: its
+SIGTERM was written into *our* loop, which took it for a second signal and exited at once) and lets a SIGTERM
+or SIGHUP sent to its own pid pass, silently (``pkill`` by name matches it: it has our command line).
 
 The deadline is a daemon thread, not a timer of the event loop: it fires whatever the main thread is stuck in
 (a blocking call, the loop closing). It is armed by the first signal and, for a run that ends by itself
@@ -39,14 +41,17 @@ _fork_hook_registered = False
 
 
 def _forked_child() -> None:
-    """In a process forked from one with a ``Shutdown`` installed: its signals are no longer written to the
-    parent's event loop (see the module docstring). SIGINT stays as hivemind sets it (ignored)."""
+    """In a process forked from one with a ``Shutdown`` installed: a process group of its own, and its signals
+    are no longer written to the parent's event loop (see the module docstring). SIGINT stays as hivemind sets
+    it (ignored)."""
     try:
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, _parents_to_handle)
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # out of the terminal's group, it may still write to it
     except ValueError:  # not the main thread of the main interpreter: nothing of ours was installed here
         pass
+    os.setpgid(0, 0)
 
 
 def _parents_to_handle(signum: int, frame) -> None:
