@@ -222,9 +222,10 @@ def test_a_peer_ahead_of_the_swarm_waits_for_it_instead_of_running_on_alone(two_
         b = SwarmProgress(dht_b, RUN, "peer-b", heartbeat=5)
         await b.publish(epoch=3, ready=False, joined=True)
         await a.publish(epoch=4, ready=True, joined=True)
-        ahead = await a.wait_until_ready(min_peers=2, min_peers_timeout=30, ready_timeout=1.5)
+        # min_peers=1: the daemon asks for min_peers in the first round only (epoch 0)
+        ahead = await a.wait_until_ready(min_peers=1, min_peers_timeout=30, ready_timeout=1.5)
         await b.publish(epoch=4, ready=True)  # the swarm's round ended: b reached our epoch
-        met = await a.wait_until_ready(min_peers=2, min_peers_timeout=30, ready_timeout=30)
+        met = await a.wait_until_ready(min_peers=1, min_peers_timeout=30, ready_timeout=30)
         return ahead, met
 
     ahead, met = asyncio.run(scenario())
