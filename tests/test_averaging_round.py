@@ -151,3 +151,32 @@ def test_a_lent_buffer_still_holds_what_we_sent_after_the_round(dhts):
     finally:
         for a in averagers:
             a.shutdown()
+
+
+def test_a_member_that_leaves_mid_allreduce_lets_it_end_before_stopping(dhts):
+    """A leaving peer whose all-reduce is exchanging tensors (overlapped rounds: the last round's, its task
+    cancelled as the daemon stops) waits for it to end before it stops its averager process: the group keeps its
+    part, and the one that stays averages the whole vector."""
+    shapes = [torch.Size([4_000_000])] * 4  # 64 MB: the exchange lasts long enough to stop in the middle of it
+    leaving, staying = (RoundAverager(dht, shapes, "test-run", CFG) for dht in dhts(2))
+
+    async def scenario():
+        gen = torch.Generator().manual_seed(0)
+        grads = [[torch.randn(shape, generator=gen) for shape in shapes] for _ in range(2)]
+        stay = asyncio.create_task(staying.average(grads[1], weight=1, epoch=0, expected=2))
+        leave = asyncio.create_task(leaving.average(grads[0], weight=1, epoch=0, expected=2))
+        while not leaving.exchanging:
+            assert not leave.done(), leave.result()
+            await asyncio.sleep(0.005)
+        leave.cancel()
+        waited = await leaving.finish_allreduce(timeout=60)
+        leaving.shutdown()
+        return waited, await stay
+
+    try:
+        waited, result = asyncio.run(scenario())
+    finally:
+        staying.shutdown()
+        leaving.shutdown()
+    assert result.ok and result.group_size == 2 and result.values_not_averaged == 0, result
+    assert waited > 0.05 and not leaving.exchanging

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 from hivemind.dht import DHT
@@ -109,6 +110,7 @@ class RoundAverager:
         self._expected: int | None = None  # the group size our averager process was last told (expect_group)
         self._banned: dict[str, float] = {}  # peer id -> when its ban ends (time.monotonic), see banned()
         self._in_flight = False  # an all-reduce may be using the buffers: they must not be released
+        self._control = None  # the last round's step in the averager process (hivemind's StepControl)
         self._sent_norm = 0.0
         self._owns_inputs = inputs is None
         # before the fork: the averager process reads them
@@ -223,6 +225,7 @@ class RoundAverager:
             timeout=self.cfg.matchmaking_time * 3,
             wait=False,
         )
+        self._control = control
         try:
             # bounded: a step answers within its matchmaking deadline plus the all-reduce's own timeouts (with
             # a retry); longer, it waits on an averager process that is gone, and is abandoned
@@ -282,6 +285,21 @@ class RoundAverager:
         """Forget the error-feedback residual (after a state sync replaced the weights it belonged to)."""
         if self.feedback is not None:
             self.feedback.residuals = None
+
+    async def finish_allreduce(self, timeout: float) -> float:
+        """Leaving: give an all-reduce that is exchanging tensors right now ``timeout`` seconds to end, so that
+        its group does not lose our part of the vector (a partial round, and a state sync for each member). A
+        cancelled step goes on in the averager process once its all-reduce has begun; stopping that process
+        is what would break it. Our own average is not used. The seconds waited."""
+        started = time.monotonic()
+        while self.exchanging and time.monotonic() - started < timeout:
+            await asyncio.sleep(0.05)
+        return time.monotonic() - started
+
+    @property
+    def exchanging(self) -> bool:
+        """Our averager process is in the middle of an all-reduce (matchmaking done, tensors on the wire)."""
+        return self._control is not None and self._control.stage == AveragingStage.RUNNING_ALLREDUCE
 
     def shutdown(self) -> None:
         self.averager.shutdown()
