@@ -162,7 +162,6 @@ def test_a_sigkilled_nat_demo_leaves_no_process_and_no_namespace(tmp_path):
             remove_namespace(name)
 
 
-@pytest.mark.serial  # network namespaces, like the NAT tests
 def test_the_reaper_kills_what_it_watches_and_deletes_namespaces_when_its_parent_dies(tmp_path):
     """The parent's end of the pipe closes when it dies: that alone must not make the reaper leave its job. A
     child the parent forks is watched at once, without being named, and if it leads a process group of its own

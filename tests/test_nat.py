@@ -8,7 +8,6 @@ need root; they skip (and fail in CI, where they must run) when namespaces canno
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

@@ -26,7 +26,7 @@ def test_overlapped_rounds_heal_after_a_reducer_dies_and_after_one_and_two_sided
     one), and both end it on one state: each publishes its step at once and both pick the same of the two.
     Round 5: both refuse; one steps alone and the other takes its state, or both step alone, their weights part,
     and at the next gate one of them sees that its weights are not the swarm's and takes the other's state
-    after that round. Every other round is averaged and identical."""
+    after that round. Every other round ends identical, and the last two are averaged."""
     local_swarm.start_bootstrap()
     rounds = 7
     common = ["outer.overlap=eager", f"run.max_rounds={rounds}", "averaging.ready_timeout=10.0",
@@ -52,5 +52,7 @@ def test_overlapped_rounds_heal_after_a_reducer_dies_and_after_one_and_two_sided
     for r in range(1, rounds + 1):
         if r != 5 and (r != 3 or both_partial):
             assert a[r]["param_sha256"] == b[r]["param_sha256"], (r, a[r], b[r])
-    assert all(a[r]["outcome"] == b[r]["outcome"] == "averaged" for r in (1, 4, 6, 7)), (a, b)
-    assert a[1]["group_size"] == 3 and a[4]["group_size"] == 2, (a[1], a[4])
+    # (round 4 may fail too: hivemind sometimes waits out its sender timeout, 30 s, for the dead reducer, and the
+    # survivors then meet at round 4's gate at different moments; seen in 2 of 6 runs here)
+    assert all(a[r]["outcome"] == b[r]["outcome"] == "averaged" for r in (1, 6, 7)), (a, b)
+    assert a[1]["group_size"] == 3 and a[6]["group_size"] == 2, (a[1], a[6])
