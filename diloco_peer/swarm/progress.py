@@ -323,8 +323,8 @@ class SwarmProgress:
                                should_stop=lambda: False, delayed: bool = False) -> ReadyDecision:
         """Wait until the round of our epoch may start; we must have published ``ready=True`` already.
 
-        The round starts when (a) at least ``min_peers`` live peers are at our epoch and (b) every one of them
-        is ready. It starts anyway after ``ready_timeout`` seconds of (a), leaving stragglers behind,
+        The round starts when (a) at least ``min_peers`` peers are alive and (b) every live peer at our
+        epoch is ready. It starts anyway after ``ready_timeout`` seconds of (a), leaving stragglers behind,
         or after ``min_peers_timeout`` seconds without (a), with whoever is there. Returns early (with
         reason "stopping") as soon as ``should_stop()`` is true, so that a leaving peer never waits here.
 
@@ -333,13 +333,12 @@ class SwarmProgress:
         ready (and already trains the next round).
 
         Liars can only delay or hurry a round, within bounds: one that claims our epoch and never gets ready
-        holds the gate ``ready_timeout`` at most; fake peers that claim our epoch can fill ``min_peers`` early
-        (the first round then starts with fewer real peers, or waits ``min_peers_timeout`` at most); one that
-        claims to be ready and never shows up in matchmaking costs a matchmaking timeout and a solo step. A peer
-        at another epoch (``lie_epoch``) does not count for ``min_peers`` (it did: the first round of a swarm that
-        a liar founded started before the second honest peer was up, seen on a loaded machine) and is not waited
-        for at all, unless most peers are behind us (``quorum_epoch``): then we are the one off (our round failed
-        where theirs did not) and wait, ``ready_timeout`` at most, for them to reach our epoch.
+        holds the gate ``ready_timeout`` at most; fake peers can fill ``min_peers`` early (the first round then
+        starts with fewer real peers, or waits ``min_peers_timeout`` at most); one that claims to be ready and
+        never shows up in matchmaking costs a matchmaking timeout and a solo step. A peer at another epoch
+        (``lie_epoch``) is not waited for at all, unless most peers are behind us (``quorum_epoch``): then we
+        are the one off (our round failed where theirs did not) and wait, ``ready_timeout`` at most, for them
+        to reach our epoch.
         """
         started = time.monotonic()
         quorum_since = None
@@ -361,7 +360,7 @@ class SwarmProgress:
             # round; going on alone would put us further ahead every round, never to meet them again
             swarm = quorum_epoch(records) if not delayed else None
             ahead = swarm is not None and swarm < epoch
-            if len(same_epoch) >= min_peers:  # a peer at another epoch cannot be in our group (a liar's claim)
+            if len(records) >= min_peers:
                 quorum_since = quorum_since if quorum_since is not None else now
                 if ready == len(same_epoch) and not ahead:
                     return ReadyDecision(ready, len(records), waited, "all peers of this epoch are ready", records,
@@ -372,7 +371,7 @@ class SwarmProgress:
                     return ReadyDecision(ready, len(records), waited, why, records, self.present)
             elif waited >= min_peers_timeout:
                 return ReadyDecision(ready, len(records), waited,
-                                     f"only {len(same_epoch)} of min_peers={min_peers} at epoch {epoch} after "
-                                     f"{waited:.0f}s", records, self.present)
+                                     f"only {len(records)} of min_peers={min_peers} after {waited:.0f}s", records,
+                                     self.present)
             fast = time.monotonic() - started < self.FAST_POLL_WINDOW
             await asyncio.sleep(self.FAST_POLL_SECONDS if fast else self.POLL_SECONDS)
