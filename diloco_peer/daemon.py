@@ -254,12 +254,12 @@ class PeerDaemon:
                 logger.warning(f"could not withdraw our progress record within {WITHDRAW_TIMEOUT:g}s; "
                                f"it expires by itself within {3 * cfg.averaging.heartbeat:g}s")
         await watch.close()
-        # in daemon threads, bounded: a child process that is already gone must not keep us waiting
         if self.averager is not None:  # (overlapped rounds: the last round's exchange runs while we train)
             bound = min(cfg.averaging.allreduce_timeout, cfg.run.shutdown_grace / 3)
             waited = await self.averager.finish_allreduce(bound)
             if waited >= 0.1:
                 logger.info(f"waited {waited:.1f}s for the all-reduce in flight: its group keeps our part")
+        # in daemon threads, bounded: a child process that is already gone must not keep us waiting
         with contextlib.suppress(TimeoutError):
             if self.averager is not None:
                 await hivemind_calls.call(self.averager.shutdown, timeout=CHILD_SHUTDOWN_TIMEOUT)

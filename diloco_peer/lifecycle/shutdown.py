@@ -6,13 +6,13 @@
 - A stop that overruns its grace period ends it too (exit 1): the last complete checkpoint stays valid, since
   checkpoints are written to a temporary file and renamed.
 
-Signals sent to the whole process group (Ctrl+C on a terminal, systemd's stop, ``kill -- -PGID``) are for us
+Signals sent to the whole process group (Ctrl+C on a terminal, ``kill -- -PGID``, ``timeout``) are for us
 alone: we stop our children as we leave, through hivemind's pipes, and kill what is left
 (``daemon.PeerDaemon._kill_leftover_children``, the reaper). So a child forked from us (hivemind's DHT and
 averager processes) leaves our process group (``_forked_child``), and the libp2p daemon (p2pd) the DHT process
 starts is in the child's group. p2pd used to get the group's SIGTERM or SIGINT and close at once: the DHT could
 no longer withdraw our record (a 5 s wait), the averager no longer unregister (a traceback), and leaving took
-8 s instead of 0.1. A forked child also stops sharing our event loop's signal wakeup fd (it inherits it: its
+9.5 s instead of 2 (``test_lifecycle.py``). (systemd's ``KillMode=control-group`` signals p2pd all the same.) A forked child also stops sharing our event loop's signal wakeup fd (it inherits it: its
 SIGTERM was written into *our* loop, which took it for a second signal and exited at once) and lets a SIGTERM
 or SIGHUP sent to its own pid pass, silently (``pkill`` by name matches it: it has our command line).
 
