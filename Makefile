@@ -21,7 +21,7 @@ demo: install
 	$(VENV)/bin/diloco-peer demo --peers $(PEERS) --rounds $(ROUNDS) --out runs/demo
 
 test: install test-deps
-	$(PY) -m pytest -q --durations=30
+	$(PY) tests/lanes.py
 
 # Every benchmark's quick mode (about a minute each; the network ones need root for namespaces), then the
 # tables of BENCHMARKS.md from bench/results.json. Full modes: run each script without --quick.

@@ -20,6 +20,13 @@ FAST = [
 ]
 
 
+def pytest_collection_modifyitems(items):
+    """Every test that starts real peers or DHT nodes runs in the swarm lane (``tests/lanes.py``), one at a time."""
+    for item in items:
+        if {"local_swarm", "dhts"} & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
+
 def diloco_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "diloco_peer", *args]
 

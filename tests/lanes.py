@@ -1,0 +1,45 @@
+"""`make test`: the suite as two pytest processes side by side, so that two cores are both busy.
+
+- The **swarm lane** runs the tests marked ``slow`` (real multi-process swarms and DHTs; ``conftest.py`` marks
+  every test that uses ``local_swarm`` or ``dhts``) one at a time, as before: their timing bounds assume that no
+  other swarm shares the machine.
+- The **unit lane** runs everything else beside it, on one torch thread, so that it takes one core at most.
+
+The swarm lane's output streams live; the unit lane's is written to a log and printed after it. The exit status
+is the worse of the two. Extra arguments go to both lanes (e.g. ``-x``). ``pytest`` alone still runs the whole
+suite in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main(extra: list[str]) -> int:
+    root = Path(__file__).resolve().parent.parent
+    pytest = [sys.executable, "-m", "pytest", "-q", "--durations=20", *extra]
+    started = time.monotonic()
+    with tempfile.TemporaryFile("w+") as unit_log:
+        units = subprocess.Popen([*pytest, "-m", "not slow", "-p", "no:cacheprovider"], cwd=root,
+                                 stdout=unit_log, stderr=subprocess.STDOUT,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        try:
+            swarm_rc = subprocess.call([*pytest, "-m", "slow"], cwd=root)
+            unit_rc = units.wait()
+        finally:
+            if units.poll() is None:
+                units.terminate()
+                units.wait()
+        unit_log.seek(0)
+        print(f"\n==== unit lane (ran beside the swarm lane) ====\n{unit_log.read()}", flush=True)
+    print(f"swarm lane exit {swarm_rc}, unit lane exit {unit_rc}; {time.monotonic() - started:.0f} s in all")
+    return max(swarm_rc, unit_rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
