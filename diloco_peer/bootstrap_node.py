@@ -41,15 +41,16 @@ RELAY_STARTS = 5
 
 
 def _announce(dht: DHT, address_file: str) -> None:
-    """Print the line to join us (and write it to ``address_file``, if given), then our other addresses."""
+    """Write the address to ``address_file`` (if given), then print the line to join us and our other addresses:
+    whoever saw the line finds the file there (a loaded machine let a reader of the line miss it, seen in CI)."""
     address = join_address(dht)
-    # the exact line to paste; tests and the demo parse it, so keep its shape stable
-    print(f"diloco-peer join {address}", flush=True)
     if address_file:  # written whole, then renamed: a reader never sees half an address
         path = Path(address_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.with_suffix(".tmp").write_text(address + "\n")
         path.with_suffix(".tmp").replace(path)
+    # the exact line to paste; tests and the demo parse it, so keep its shape stable
+    print(f"diloco-peer join {address}", flush=True)
     others = [a for a in visible_addresses(dht) if a != address]
     if others:
         print(f"(other addresses of this node: {' '.join(others)})", flush=True)
