@@ -3,7 +3,8 @@
 - The **swarm lane** runs the tests marked ``slow`` (real multi-process swarms and DHTs; ``conftest.py`` marks
   every test that uses ``local_swarm`` or ``dhts``) one at a time, as before: their timing bounds assume that no
   other swarm shares the machine.
-- The **unit lane** runs everything else beside it, on one torch thread, so that it takes one core at most.
+- The **unit lane** runs everything else beside it, on one torch thread, so that it takes one core at most, and
+  the slow tests marked ``light`` (one or two processes, no bound that the other lane's load could break).
 
 The swarm lane's output streams live; the unit lane's is written to a log and printed after it. The exit status
 is the worse of the two. Extra arguments go to both lanes (e.g. ``-x``). ``pytest`` alone still runs the whole
@@ -25,11 +26,11 @@ def main(extra: list[str]) -> int:
     pytest = [sys.executable, "-m", "pytest", "-q", "--durations=20", *extra]
     started = time.monotonic()
     with tempfile.TemporaryFile("w+") as unit_log:
-        units = subprocess.Popen([*pytest, "-m", "not slow", "-p", "no:cacheprovider"], cwd=root,
+        units = subprocess.Popen([*pytest, "-m", "not slow or light", "-p", "no:cacheprovider"], cwd=root,
                                  stdout=unit_log, stderr=subprocess.STDOUT,
                                  env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
         try:
-            swarm_rc = subprocess.call([*pytest, "-m", "slow"], cwd=root)
+            swarm_rc = subprocess.call([*pytest, "-m", "slow and not light"], cwd=root)
             unit_rc = units.wait()
         finally:
             if units.poll() is None:

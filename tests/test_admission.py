@@ -124,6 +124,7 @@ async def _rounds(averagers, inputs, epoch):
         *(a.average(x, weight=100, epoch=epoch) for a, x in zip(averagers, inputs))), 60)
 
 
+@pytest.mark.light
 @pytest.mark.slow
 @pytest.mark.parametrize("closed_by", ["secret", "allowlist"])
 def test_an_unadmitted_peer_never_averages_with_the_swarm(dhts, closed_by):

@@ -41,6 +41,7 @@ LEVELS = {"int8": 127, "int4": 7}
 BYTES_PER_VALUE = {"none": 4, "fp16": 2, "bf16": 2, "int8": 1, "int4": 0.5}
 
 
+@pytest.mark.light
 @pytest.mark.parametrize("compression", ["none", "fp16", "bf16", "int8", "int4"])
 def test_weighted_mean_and_bit_identical_results(dhts, compression):
     cfg = CFG.model_copy(update={"compression": compression})
@@ -88,6 +89,7 @@ def test_weighted_mean_and_bit_identical_results(dhts, compression):
         assert 0 < r.transfer_seconds < r.seconds  # the all-reduce proper is timed apart from matchmaking
 
 
+@pytest.mark.light
 def test_alone_returns_failure_without_raising(dhts):
     (dht,) = dhts(1)
     averager = RoundAverager(dht, SHAPES, "lonely-run", CFG)
@@ -125,6 +127,7 @@ def test_a_complete_group_starts_at_once_and_the_window_waits_for_missing_peers(
             torch.testing.assert_close(got[i].double(), mean, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.light
 def test_a_lent_buffer_still_holds_what_we_sent_after_the_round(dhts):
     """Blocking rounds on a CPU lend the replica's memory (``PeerConfig.lends_replica``): the pseudo-gradient is
     sent from it. The average goes to the averager's own buffer, never over what we sent: a round that fails or

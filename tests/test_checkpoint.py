@@ -130,6 +130,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.light
 @pytest.mark.slow
 def test_sigkill_during_writes_always_leaves_a_loadable_checkpoint(tmp_path):
     rng = random.Random(1234)

@@ -144,6 +144,7 @@ class _Payload:
         return (open, (str(self.path), "w"))
 
 
+@pytest.mark.light
 @pytest.mark.slow
 def test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs(local_swarm):
     import torch
@@ -163,6 +164,7 @@ def test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs(l
     assert not marker.exists()
 
 
+@pytest.mark.light
 def test_bootstrap_prints_join_line_and_keeps_identity(local_swarm):
     key = local_swarm.workdir / "keys" / "boot.key"
     made = run_cli("keygen", str(key))
@@ -193,6 +195,7 @@ def test_unreachable_bootstrap_is_retried_with_backoff_then_given_up():
     assert 5 <= time.monotonic() - started < 50
 
 
+@pytest.mark.light
 def test_a_peer_started_before_its_bootstrap_joins_once_it_is_up(local_swarm):
     """Bootstrap down at start: the peer keeps retrying and trains as soon as the bootstrap comes up."""
     key = local_swarm.workdir / "boot.key"
@@ -248,6 +251,7 @@ def test_plot_turns_event_logs_into_a_png(tmp_path):
     assert (tmp_path / "plots" / "run.png").stat().st_size > 10_000 and "1 peers: p0" in result.stdout
 
 
+@pytest.mark.light
 @pytest.mark.slow
 def test_join_on_a_terminal_shows_a_live_status_bar(local_swarm):
     local_swarm.start_bootstrap()
@@ -280,6 +284,7 @@ def test_join_on_a_terminal_shows_a_live_status_bar(local_swarm):
     assert re.search(r"round 1: solo with group of 1", text) and re.search(r"round 2: solo", text), text[-3000:]
 
 
+@pytest.mark.light
 def test_a_sigkilled_bootstrap_leaves_no_orphans(local_swarm):
     psutil = pytest.importorskip("psutil")
     local_swarm.start_bootstrap()

@@ -25,6 +25,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.light
 def test_compose_file_is_valid_and_deploys_the_whole_stack():
     require_tool("docker-compose", "docker-compose")
     for profile in ([], ["--profile", "gpu"]):

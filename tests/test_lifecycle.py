@@ -131,6 +131,7 @@ def test_a_signal_to_the_demo_stops_its_whole_swarm_then_exits_130(tmp_path, sig
             remove_namespace(name)
 
 
+@pytest.mark.light
 @pytest.mark.slow
 def test_a_sigkilled_demo_takes_its_whole_swarm_along(tmp_path):
     demo = Demo(tmp_path)
@@ -144,6 +145,7 @@ def test_a_sigkilled_demo_takes_its_whole_swarm_along(tmp_path):
         demo.cleanup()
 
 
+@pytest.mark.light
 @pytest.mark.slow
 def test_a_sigkilled_nat_demo_leaves_no_process_and_no_namespace(tmp_path):
     require_namespaces()
