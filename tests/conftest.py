@@ -21,7 +21,8 @@ FAST = [
 
 
 def pytest_collection_modifyitems(items):
-    """Every test that starts real peers or DHT nodes runs in the swarm lane (``tests/lanes.py``), one at a time."""
+    """Every test that starts real peers or DHT nodes is ``slow``: ``tests/lanes.py`` runs it in the swarm lane, one
+    at a time (unless it is marked ``light`` as well)."""
     for item in items:
         if {"local_swarm", "dhts"} & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)

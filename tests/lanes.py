@@ -39,7 +39,13 @@ def main(extra: list[str]) -> int:
         unit_log.seek(0)
         print(f"\n==== unit lane (ran beside the swarm lane) ====\n{unit_log.read()}", flush=True)
     print(f"swarm lane exit {swarm_rc}, unit lane exit {unit_rc}; {time.monotonic() - started:.0f} s in all")
+    if NO_TESTS in (swarm_rc, unit_rc) and {swarm_rc, unit_rc} != {NO_TESTS}:  # e.g. ``-k`` matched one lane only
+        return max(rc for rc in (swarm_rc, unit_rc) if rc != NO_TESTS)
     return max(swarm_rc, unit_rc)
+
+
+NO_TESTS = 5
+"""pytest's exit status when it collected no test."""
 
 
 if __name__ == "__main__":
