@@ -188,11 +188,12 @@ def test_bootstrap_prints_join_line_and_keeps_identity(local_swarm):
 
 def test_unreachable_bootstrap_is_retried_with_backoff_then_given_up():
     started = time.monotonic()
-    result = run_cli("join", GOOD_ADDR, "--set", "swarm.join_timeout=5")
+    # 12 s: room for two retries (after 2 s and 4 s) even where starting the DHT takes seconds (a loaded machine)
+    result = run_cli("join", GOOD_ADDR, "--set", "swarm.join_timeout=12")
     assert result.returncode == cli.EXIT_UNREACHABLE
     assert len(re.findall(r"retrying in \d+s", result.stdout)) >= 2, result.stdout
-    assert "gave up after swarm.join_timeout=5s" in result.stderr and GOOD_ADDR in result.stderr
-    assert 5 <= time.monotonic() - started < 50
+    assert "gave up after swarm.join_timeout=12s" in result.stderr and GOOD_ADDR in result.stderr
+    assert 12 <= time.monotonic() - started < 60
 
 
 @pytest.mark.light

@@ -137,6 +137,7 @@ def _get(url: str) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
+@pytest.mark.light
 @pytest.mark.slow
 def test_running_peers_serve_metrics_and_health(local_swarm):
     local_swarm.start_bootstrap()
