@@ -66,7 +66,6 @@ def _prometheus_config(bootstrap_port: int, peer_ports: list[int]) -> dict:
     return cfg
 
 
-@pytest.mark.light
 def test_every_dashboard_panel_shows_data_from_a_real_swarm(local_swarm, tmp_path):
     require_tool("prometheus", "prometheus")
     boot_port, prom_port, peer_ports = _free_port(), _free_port(), [_free_port(), _free_port()]

@@ -249,7 +249,6 @@ def _stop(proc, log: Path) -> None:
     assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
 
 
-@pytest.mark.light
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_installed_cli_runs_every_shipped_config_and_the_compose_services(installed, local_swarm: LocalSwarm):

@@ -131,7 +131,6 @@ def test_a_signal_to_the_demo_stops_its_whole_swarm_then_exits_130(tmp_path, sig
             remove_namespace(name)
 
 
-@pytest.mark.light
 @pytest.mark.slow
 def test_a_sigkilled_demo_takes_its_whole_swarm_along(tmp_path):
     demo = Demo(tmp_path)
@@ -145,7 +144,6 @@ def test_a_sigkilled_demo_takes_its_whole_swarm_along(tmp_path):
         demo.cleanup()
 
 
-@pytest.mark.light
 @pytest.mark.slow
 def test_a_sigkilled_nat_demo_leaves_no_process_and_no_namespace(tmp_path):
     require_namespaces()
@@ -338,8 +336,9 @@ def test_stop_while_training_leaves_a_checkpoint_and_nothing_behind(local_swarm)
         case.signal()
     took = {name: case.check(KILLED if case.sig == signal.SIGKILL else 0) for name, case in cases.items()}
     # the group's signal is the peer's alone (its children have groups of their own): p2pd used to get it too and
-    # close at once, and the peer then waited 5 s to withdraw its record and 3 s for its DHT process
-    assert took["train-group-SIGTERM"] < 4, took
+    # close at once, and the peer then waited 5 s to withdraw its record and 3 s for its DHT process (9.5 s against
+    # 1.5 s for a SIGTERM to the peer alone; now 2.0 and 1.9). Compared in the same run: a loaded machine slows both
+    assert took["train-group-SIGTERM"] < took["train-SIGTERM"] + 3, took
     for name in ("train-SIGINT", "train-SIGTERM", "train-group-SIGTERM"):  # a clean leave saves its round boundary
         stop = [e for e in local_swarm.events(name) if e["event"] == "stop"]
         assert stop and stop[0]["reason"] == "signal", stop

@@ -137,7 +137,6 @@ def _get(url: str) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
-@pytest.mark.light
 @pytest.mark.slow
 def test_running_peers_serve_metrics_and_health(local_swarm):
     local_swarm.start_bootstrap()

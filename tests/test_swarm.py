@@ -62,7 +62,6 @@ def test_single_peer_with_unit_outer_lr_equals_plain_adamw(tmp_path):
     assert [r["outcome"] for r in rounds if r["event"] == "round"] == ["solo"] * steps
 
 
-@pytest.mark.light
 def test_sigterm_at_the_gate_leaves_cleanly(local_swarm):
     """A peer waiting for partners that never come leaves promptly on SIGTERM: exit 0, nothing left behind."""
     before = orphaned_p2pd_pids()
