@@ -4,8 +4,8 @@
   every test that uses ``local_swarm`` or ``dhts``) one at a time, as before: their timing bounds assume that no
   other swarm shares the machine.
 - The **unit lane** runs everything else beside it, on one torch thread, so that it takes one core at most, and
-  the slow tests marked ``light``: one process besides the test's own, or DHT nodes and averagers in the test's
-  process, and no bound that the other lane's load could break. No swarm of peers, no demo.
+  the slow tests marked ``light``: at most a bootstrap node and one peer, or DHT nodes and averagers in the
+  test's own process, and no bound that the other lane's load could break. No swarm of peers, no demo.
 
 Slow tests with swarms of their own in the unit lane made the swarm lane's tests flaky (2026-11-26, a fresh-clone
 run with four more there: a 4-peer NAT round split into two groups of two, and leaves took 4.4 s against a 4 s
