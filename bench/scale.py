@@ -241,13 +241,13 @@ def run(args, workdir: Path, sampler: Sampler, ran: dict) -> None:
         # the late joiner: alongside the others if it fits, else in the place of the last peer
         joiner, left = f"peer-{args.peers}", None
         per_peer = max(sampler.peak(n)["pss"] for n in peers)
-        if per_peer * (args.peers + 1) > args.max_total_gb * GB:
+        if per_peer * (args.peers + 1) > args.max_total_gb * GB or "join" not in args.phases:
             left = peers[-1]
             sampler.phase = "leave"
             swarm.stop(left)
             sampler.pids.pop(left)
         others = [n for n in peers if n != left]
-        if others:  # (a lone peer that left has nobody to download a state from)
+        if others and "join" in args.phases:  # (a lone peer that left has nobody to download a state from)
             sampler.phase = "join"
             target = {n: len(_rounds(swarm, n)) for n in others}
             sampler.pids[joiner] = swarm.start_peer(joiner)
@@ -350,6 +350,10 @@ def main() -> int:
                         help="all the swarm's processes together may hold this much (PSS); past it, all are killed")
     parser.add_argument("--min-available-gb", type=float, default=8.0, help="refuse to start with less available")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds each phase may take, e.g. 900")
+    parser.add_argument("--phases", default="join,restore", type=lambda text: text.split(","),
+                        help="after train: join,restore (default), or restore alone (the last peer leaves with a "
+                             "checkpoint and comes back from it: a GPU machine's 1B peers, whose join never ends "
+                             "with rounds shorter than a state download)")
     parser.add_argument("--workdir", default="", help="where logs, events and checkpoints go (default: a temp dir)")
     parser.add_argument("--no-save", action="store_true", help="do not write bench/results.json")
     args = parser.parse_args()

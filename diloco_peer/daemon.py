@@ -203,10 +203,12 @@ class PeerDaemon:
         cfg = self.cfg
         admission = load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
         shapes = parameter_shapes(cfg.model)
-        lend = cfg.lends_replica(pick_device(cfg.inner.device).type)  # blocking rounds on a CPU: no pseudo-gradient
+        device = pick_device(cfg.inner.device).type
+        lend = cfg.lends_replica(device)  # blocking rounds on a CPU: no pseudo-gradient
         replica = flat_tensors(shapes, shared=True) if lend else None  # buffer, the replica's memory takes its place
         averager = self.averager = RoundAverager(dht, shapes, cfg.run.run_id, cfg.averaging, admission,
-                                                 relayed=reach.mode == RELAYED, faults=faults, inputs=replica)
+                                                 relayed=reach.mode == RELAYED, faults=faults, inputs=replica,
+                                                 in_place=cfg.averages_in_place(device))  # (blocking, on a GPU)
         corpus = await self.compute(Corpus, cfg.data, shard, cfg.model.vocab_size)
         model = await self.compute(build_model, cfg.model, cfg.run.seed)
         if replica is not None:
@@ -285,7 +287,7 @@ class PeerDaemon:
             self.first_contribution = time.time() - psutil.Process().create_time()
             record.first_contribution_seconds = self.first_contribution
         self.events.write("round", **record.fields())
-        self.rounds.last_log = time.monotonic()
+        self.rounds.shown.logged_round()
         megabytes = (record.bytes_sent + record.bytes_received) / 1e6
         logger.info(
             f"round {record.round}: {record.outcome} with group of {record.group_size} "

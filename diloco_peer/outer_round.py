@@ -2,14 +2,12 @@
 
 One outer round, as DiLoCo (Douillard et al. 2023) and OpenDiLoCo run it:
 
-1. **train**: H inner AdamW steps on this peer's shard (on the compute thread; the event loop stays free
-   for heartbeats and signals);
+1. **train**: H inner AdamW steps on this peer's shard (on the compute thread; the event loop stays free);
 2. **gate**: publish "ready" for our epoch and wait (bounded) until the peers of this epoch are ready;
 3. **average**: matchmake a group and all-reduce the pseudo-gradients (outer weights - replica weights),
    weighted by the tokens behind them;
 4. **check**: refuse an average that is not finite or far larger than our own pseudo-gradient;
-5. **apply**: the outer Nesterov step with the average (or, if no group formed, with our own
-   pseudo-gradient: a *solo* step, logged and counted); then evaluate.
+5. **apply**: the outer Nesterov step with the average (no group: with our own, a *solo* step); evaluate.
 
 Steps 2-3 are the *exchange*. ``outer.overlap = "blocking"`` awaits it at once. The overlapped modes launch
 it in the background and go straight on training the next round; the exchange of round t is concluded (steps
@@ -24,8 +22,7 @@ weights of peers that averaged together stay bit-identical in every mode; ``dilo
 eager`` computes the same updates (``run_diloco(arrival=...)`` for the steps the average arrived at).
 
 Epochs (overlapped): after applying round t's average the outer weights are at epoch t; the record says
-``epoch t, ready, round t+1`` while round t+1 trains, and the gate of epoch t waits for the peers whose
-record says ``round t`` (``SwarmProgress.wait_until_ready(delayed=True)``).
+``epoch t, ready, round t+1`` while round t+1 trains (``SwarmProgress.wait_until_ready(delayed=True)``).
 
 Healing: a peer that is behind (newcomer, restart from an old checkpoint, straggler) or whose weights left
 the swarm's (a failed round, a reducer that died mid-all-reduce) downloads the swarm's state from peers that
@@ -44,13 +41,13 @@ import time
 from collections.abc import Callable
 
 import torch
-from tqdm import tqdm
 
 from .arrival import EarlyAverage, progress_since, replica_copy
 from .averaging.averager import RoundAverager, RoundResult
 from .averaging.robust_aggregation import refuse_update
 from .config import PeerConfig
 from .observe.events import EventLog
+from .observe.inner_progress import InnerProgress
 from .round_record import Exchange, InnerResult, RoundRecord
 from .state.state_sync import StateSync, swarm_target
 from .swarm.progress import ReadyDecision, SwarmProgress
@@ -60,7 +57,6 @@ from .training.trainer import ComputeThread, Trainer
 logger = logging.getLogger("diloco_peer")
 
 PROGRESS_EVENTS_PER_ROUND = 5
-PROGRESS_LOG_SECONDS = 30.0  # a human-readable progress line at most this often between round lines
 
 
 class OuterRounds:
@@ -76,7 +72,7 @@ class OuterRounds:
     :param events: the event log
     :param compute: the thread all torch work runs on
     :param should_stop: true once the daemon was asked to leave
-    :param tty: show a live status bar per round (else a progress line every ``PROGRESS_LOG_SECONDS``)
+    :param tty: show a live status bar per round (else a progress line now and then: ``InnerProgress``)
     """
 
     def __init__(self, cfg: PeerConfig, name: str, *, trainer: Trainer, outer: OuterOptimizer,
@@ -84,7 +80,9 @@ class OuterRounds:
                  compute: ComputeThread, should_stop: Callable[[], bool], tty: bool = False):
         self.cfg, self.name = cfg, name
         self.trainer, self.outer, self.averager, self.progress = trainer, outer, averager, progress
-        self.sync, self.events, self._compute, self.should_stop, self.tty = sync, events, compute, should_stop, tty
+        self.sync, self.events, self._compute, self.should_stop = sync, events, compute, should_stop
+        self.shown = InnerProgress(events, name, tty)
+        """How the inner steps show (a status bar, progress lines and events)."""
         self.overlapped = cfg.outer.overlap != "blocking"
         self.pending: asyncio.Task | None = None
         """Overlapped modes: the exchange of the last round's progress, running while this round trains."""
@@ -94,11 +92,12 @@ class OuterRounds:
         """Overlapped: applies ``pending``'s average to the replica as soon as it arrives."""
         self.last_sync_epoch = -1
         """The outer epoch our last state sync brought us to."""
-        self.last_log = time.monotonic()
+        self.downloads = 0
+        """State downloads begun (``catch_up``)."""
 
     async def run(self, on_round: Callable[[RoundRecord], None]) -> None:
-        """Rounds until stopped or ``run.max_rounds``; ``on_round(record)`` after each finished round.
-        An interrupted round is abandoned: a partial pseudo-gradient would skew the average."""
+        """Rounds until stopped or ``run.max_rounds``; ``on_round(record)`` after each finished round (an
+        interrupted round is abandoned: a partial pseudo-gradient would skew the average)."""
         try:
             while not self.should_stop() and not self.reached_max_rounds():
                 started = time.perf_counter()
@@ -138,8 +137,7 @@ class OuterRounds:
         trainer, H = self.trainer, self.cfg.outer.inner_steps
         chunk = max(1, H // PROGRESS_EVENTS_PER_ROUND)
         tokens, compute, weighted_loss = 0, 0.0, 0.0
-        bar = tqdm(total=H, initial=trainer.step - epoch * H, desc=f"round {epoch + 1}", unit="step", leave=False,
-                   dynamic_ncols=True, disable=not self.tty)
+        self.shown.start(epoch, H, done=trainer.step - epoch * H)
         arrived = self.early.due if start is not None else lambda: False
         while trainer.step - epoch * H < H and not self.should_stop():
             if arrived():
@@ -151,17 +149,8 @@ class OuterRounds:
             tokens, compute = tokens + stats.tokens, compute + stats.seconds
             weighted_loss += stats.loss * stats.steps
             self.progress.record = self.progress.record.copy(update={"inner_step": trainer.step})  # heartbeat
-            tokens_per_second = stats.tokens / max(stats.seconds, 1e-9)
-            self.events.write("progress", peer=self.name, epoch=epoch, inner_step=trainer.step, steps=stats.steps,
-                              seconds=stats.seconds, loss=stats.loss, lr=stats.lr, tokens=stats.tokens,
-                              tokens_per_second=tokens_per_second)
-            bar.update(stats.steps)
-            bar.set_postfix_str(f"loss {stats.loss:.3f} | {tokens_per_second:,.0f} tok/s | lr {stats.lr:.1e}")
-            if not self.tty and time.monotonic() - self.last_log >= PROGRESS_LOG_SECONDS:
-                self.last_log = time.monotonic()
-                logger.info(f"round {epoch + 1}: inner step {trainer.step - epoch * H}/{H} | "
-                            f"train loss {stats.loss:.4f} | lr {stats.lr:.2e} | {tokens_per_second:,.0f} tok/s")
-        bar.close()
+            self.shown.chunk(epoch, trainer.step, trainer.step - epoch * H, stats)
+        self.shown.end()
         return InnerResult(tokens=tokens, compute_seconds=compute, train_loss=weighted_loss / H)
 
     # --- the exchange: gate and all-reduce
@@ -183,8 +172,11 @@ class OuterRounds:
         if self.should_stop():
             return Exchange(decision, RoundResult(ok=False, error=decision.reason), dropped=True)
         # blocking: behind or off the swarm's weights, our pseudo-gradient is relative to a state nobody holds
+        downloads = self.downloads
         if not self.overlapped and await self.catch_up(decision.records):
             return Exchange(decision, RoundResult(ok=False), dropped=True)
+        if self.downloads != downloads and self.averager.in_place:  # a failed download took the round's buffer
+            pseudo_gradient = self.sent = await self.own_pseudo_gradient()
         # overlapped: our progress is a fair contribution (it is relative to where we started), but the outer
         # weights it would be applied to are not the swarm's: the conclusion rebases instead of stepping
         off_swarm = self.sync.needs_sync(swarm_target(decision.records)) if self.overlapped else ""
@@ -202,8 +194,7 @@ class OuterRounds:
         try:
             exchange = await self.pending
         except Exception as e:  # e.g. the DHT failed to store our record: never fatal
-            exchange = Exchange(ReadyDecision(1, 1, 0.0, "error"),
-                                RoundResult(ok=False, error=f"{type(e).__name__}: {e}"))
+            exchange = Exchange(ReadyDecision(1, 1, 0.0, "error"), RoundResult(False, error=f"{type(e).__name__}: {e}"))
         self.pending = None
         return exchange, time.perf_counter() - waited
 
@@ -235,11 +226,11 @@ class OuterRounds:
             logger.warning(f"round {epoch + 1}: the group mixed epochs {sorted(result.group_epochs)}")
         await self._apply(exchange, unsent, epoch)
         if result.values_not_averaged:
-            # our weights now differ from those of the others in the group: re-sync at once, before training
+            # our weights now differ from those of the others in the group: re-sync at once, before training, with
+            # the state the others end this round with (a peer that died mid-round stops counting when its record
+            # expires, after 3 heartbeats)
             logger.warning(f"round {epoch + 1}: {result.values_not_averaged} values were not averaged "
                            f"(a peer failed mid-round); checking our weights against the swarm's")
-            # compare with the state the others end this round with: wait until one of them has stepped (a
-            # peer that died mid-round stops counting when its record expires, after 3 heartbeats)
             if self.overlapped:  # our step now, not with the next "ready": each member waits here for the others'
                 await self.progress.publish(epoch=self.outer.epoch, round=self.outer.epoch + 1, ready=False,
                                             state_hash=self.sync.state_hash)  # (else each kept its own state)
@@ -261,10 +252,8 @@ class OuterRounds:
             arrived_step=self.early.step)
 
     async def _first_round(self, unsent: list[torch.Tensor]) -> None:
-        if self.last_sync_epoch == self.outer.epoch:
-            # synced into a running swarm: the others apply the average of the round we joined in the middle
-            # of; take their result as soon as they have it, with our progress on top
-            await self._rebase(unsent, await self._round_end(self.outer.epoch))
+        if self.last_sync_epoch == self.outer.epoch:  # synced into a running swarm, in the middle of a round: take
+            await self._rebase(unsent, await self._round_end(self.outer.epoch))  # its result, our progress on top
         else:
             await self._compute.run(self._continue, unsent)  # a fresh start: nothing to apply yet
 
@@ -284,10 +273,17 @@ class OuterRounds:
             records = await self._round_end(epoch, extra=3 * self.cfg.averaging.heartbeat, ready_only=True)
             if await self._rebase(unsent, records, others_only=True):
                 return
-        await self._compute.run(self._outer_step, result.averaged if result.ok else self.sent, unsent)
+        await self._compute.run(self._outer_step, result.averaged if result.ok else await self.own_pseudo_gradient(),
+                                unsent)
         if not self.overlapped:  # overlapped modes publish their new epoch with the next "ready"
             await self.progress.publish(epoch=self.outer.epoch, round=self.outer.epoch, ready=False,
                                         state_hash=self.sync.state_hash)
+
+    async def own_pseudo_gradient(self) -> list[torch.Tensor]:
+        """Our pseudo-gradient of the round being concluded, for a solo step (or an all-reduce after a failed
+        download): as sent, or, where the averager writes the average over what we sent (``in_place``: blocking
+        rounds on a GPU, whose replica is untouched until the outer step), computed again from the replica."""
+        return await self._compute.run(self.outer.pseudo_gradient) if self.averager.in_place else self.sent
 
     def _outer_step(self, update: list[torch.Tensor], unsent: list[torch.Tensor] | None) -> None:
         with self.sync.lock:  # a peer downloading our state sees the state before or after, never between
@@ -354,6 +350,9 @@ class OuterRounds:
                 await self.progress.publish(joined=True)
             return False
         logger.info(f"state sync: {why}; downloading epoch {target.epoch} from one of {len(target.holders)} peers")
+        self.downloads += 1
+        if self.averager.in_place:  # the round's one buffer holds nothing the replica cannot give again: its 4
+            self.averager.release()  # bytes per parameter go back before the download's staging buffer fills up
         result = await self.sync.sync(target, self.should_stop)
         for _ in range(2):  # the swarm stepped on during the download: once more, for its new state
             if not result.moved_on or self.should_stop() or not self.sync.needs_sync(

@@ -156,6 +156,39 @@ def test_a_lent_buffer_still_holds_what_we_sent_after_the_round(dhts):
             a.shutdown()
 
 
+@pytest.mark.light
+def test_in_place_the_average_is_written_over_what_was_sent(dhts):
+    """Blocking rounds on a GPU (``PeerConfig.averages_in_place``): one buffer per round, the pseudo-gradient sent and
+    then its average (4 bytes per parameter less than two). The members still get the very same bytes, and a failed
+    round gives that whole buffer back (the caller computes its pseudo-gradient again from the replica)."""
+    nodes = dhts(3)
+    averagers = [RoundAverager(dht, SHAPES, "in-place-run", CFG, in_place=True) for dht in nodes]
+    weights = [1000, 2000, 3000]
+    try:
+        inputs = [_pseudo_gradients(seed) for seed in range(3)]
+        for averager, x in zip(averagers, inputs):
+            for target, source in zip(averager.inputs, x):
+                target.copy_(source)  # as OuterOptimizer.pseudo_gradient writes it
+        results = asyncio.run(_average_all(averagers, [a.inputs for a in averagers], weights))
+        assert all(r.ok and r.group_size == 3 and r.values_not_averaged == 0 for r in results), results
+        for result, averager, x in zip(results, averagers, inputs):
+            assert [a.data_ptr() for a in result.averaged] == [b.data_ptr() for b in averager.inputs]
+            assert not all(torch.equal(a, b) for a, b in zip(averager.inputs, x))  # what was sent is gone
+            assert result.sent_norm == pytest.approx(float(torch.cat([t.flatten() for t in x]).double().norm()))
+        for i in range(len(SHAPES)):
+            expected = sum(w * x[i].double() for w, x in zip(weights, inputs)) / sum(weights)
+            torch.testing.assert_close(results[0].averaged[i].double(), expected, rtol=1e-5, atol=1e-6)
+            assert all(torch.equal(r.averaged[i], results[0].averaged[i]) for r in results[1:])
+        averagers[0].round_failed()  # (as after a refused average)
+        assert sum(int(t.count_nonzero()) for t in averagers[0].inputs) < 2 * 4096 // 4
+        with pytest.raises(ValueError, match="lent one"):
+            RoundAverager(nodes[0], SHAPES, "in-place-run", CFG, inputs=flat_tensors(SHAPES, shared=True),
+                          in_place=True)
+    finally:
+        for a in averagers:
+            a.shutdown()
+
+
 def test_a_member_that_leaves_mid_allreduce_lets_it_end_before_stopping(dhts):
     """A leaving peer whose all-reduce is exchanging tensors (overlapped rounds: the last round's, its task
     cancelled as the daemon stops) waits for it to end before it stops its averager process: the group keeps its

@@ -17,9 +17,12 @@ from test_state_sync import peers  # noqa: F401 (a fixture)
 
 from diloco_peer.averaging import state_transfer
 from diloco_peer.config import CheckpointConfig, load_config
+from diloco_peer.config.faults import NO_FAULTS
+from diloco_peer.outer_round import OuterRounds
 from diloco_peer.state import checkpoint
 from diloco_peer.state.checkpoint import CheckpointManager, capture, restore
 from diloco_peer.training.outer_optimizer import flat_tensors, release_pages
+from diloco_peer.training.trainer import ComputeThread
 
 
 def _busy_writer(manager: CheckpointManager, seconds: float) -> None:
@@ -123,6 +126,34 @@ def test_a_pseudo_gradient_written_in_place_is_the_same():
     got = outer.pseudo_gradient()
     assert all(g is b for g, b in zip(got, outer.pseudo_gradient_buffers))
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["average-written-over-it", "kept"])
+def test_a_solo_step_takes_our_own_pseudo_gradient_even_where_the_average_was_written_over_it(in_place):
+    """A GPU peer's blocking round writes the average over the pseudo-gradient it sent (``averages_in_place``); a
+    round that then fails, or whose average it refuses, steps alone with its pseudo-gradient computed again from
+    the replica, untouched until the outer step: bit for bit the one it sent."""
+    cfg = load_config(None, SETS)
+    trainer, outer = _peer(cfg)
+    trainer.train_steps(2)
+    outer.pseudo_gradient_buffers = flat_tensors([p.shape for p in outer.params], shared=True)
+    sent = outer.pseudo_gradient()
+    expected = [t.clone() for t in sent]
+    for t in sent:
+        t.fill_(float("nan"))  # the average (here a refused one) arrived in the same buffer
+    compute = ComputeThread(1)
+    rounds = OuterRounds(cfg, "p", trainer=trainer, outer=outer, averager=SimpleNamespace(in_place=in_place,
+                         faults=NO_FAULTS), progress=None, sync=None, events=None, compute=compute,
+                         should_stop=lambda: False)
+    rounds.sent = sent
+    try:
+        own = asyncio.run(rounds.own_pseudo_gradient())
+    finally:
+        compute.close()
+    if in_place:
+        assert all(torch.equal(a, b) for a, b in zip(own, expected))
+    else:  # (a lent or separate buffer is never written over: what was sent is what steps)
+        assert own is sent
 
 
 @pytest.mark.parametrize("sent_first, spill", [(0, False), (1, False), (0, True)],

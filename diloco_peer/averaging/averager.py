@@ -11,12 +11,14 @@ Memory: two buffers of the model's size in shared memory, made before the averag
 (the pseudo-gradient we send: ``OuterOptimizer.pseudo_gradient`` writes it there, so no copy of it is made) and
 the averager's own tensors, where the all-reduce writes the average (the result hands them out as they are).
 Both give their memory back between rounds (``release``): 8 bytes per parameter during a round, none while
-the replica trains; 4 where ``inputs`` is lent (the replica's memory, blocking rounds on a CPU).
+the replica trains; 4 where ``inputs`` is lent (the replica's memory, blocking rounds on a CPU) or where the
+average is written over what we sent (``in_place``: blocking rounds on a GPU).
 
-The average is never written over what we sent: a round that fails, or whose average we refuse, falls back on
-a solo step with our own pseudo-gradient (if the others have no state to take), and that must still be ours.
-(Written in place, a refused average, a forked client's NaNs included, went into that solo step: seen in
-``test_bad_peers.py``.)
+A round that fails, or whose average we refuse, falls back on a solo step with our own pseudo-gradient (if the
+others have no state to take), and that must still be ours. So the average is written over what we sent only
+where the caller can compute the pseudo-gradient again: a GPU replica is untouched until the outer step
+(``OuterRounds.own_pseudo_gradient``). A lent CPU replica holds the pseudo-gradient itself: written over, a
+refused average, a forked client's NaNs included, went into that solo step (seen in ``test_bad_peers.py``).
 """
 
 from __future__ import annotations
@@ -99,11 +101,18 @@ class RoundAverager:
     :param inputs: the buffer our pseudo-gradient is sent from (``flat_tensors(shapes, shared=True)``), if not our
       own: the daemon's blocking rounds on a CPU lend the replica's memory (it is reloaded after every round
       anyway), and a lent buffer is never released here
+    :param in_place: write the average over the pseudo-gradient we sent (one buffer for both, 4 bytes per parameter
+      less during a round), for a caller that can compute its pseudo-gradient again after a failed or refused
+      round (``PeerConfig.averages_in_place``; not with ``inputs``). An all-reduce that fails once it has begun is
+      then not retried (the round fails), and ``release_average`` releases what we sent too
     """
 
     def __init__(self, dht: DHT, shapes: list[torch.Size], run_id: str, cfg: AveragingConfig,
                  admission: Admission = Admission(), relayed: bool = False, *, faults: Faults = NO_FAULTS,
-                 inputs: list[torch.Tensor] | None = None):
+                 inputs: list[torch.Tensor] | None = None, in_place: bool = False):
+        if in_place and inputs is not None:
+            raise ValueError("in_place=True writes the average over our own input buffer: a lent one (inputs) "
+                             "holds the replica, which a solo step after a failed round would still need")
         self.cfg, self.admission, self.relayed, self.faults = cfg, admission, relayed, faults
         self.peer_id = dht.peer_id.to_base58()
         self.feedback = ErrorFeedback(get_codec(cfg.compression)) if cfg.error_feedback else None
@@ -115,7 +124,9 @@ class RoundAverager:
         self._owns_inputs = inputs is None
         # before the fork: the averager process reads them
         self._inputs = flat_tensors(shapes, shared=True) if inputs is None else inputs
-        self._outputs = flat_tensors(shapes, shared=True)  # where the all-reduce writes the average
+        self.in_place = in_place
+        # where the all-reduce writes the average (in place: the very list we send from, see PseudoGradientAverager)
+        self._outputs = self._inputs if in_place else flat_tensors(shapes, shared=True)
         # installed before the averager process forks, so that it applies there
         averager_logger = logging.getLogger("hivemind.averaging.averager")
         if not any(isinstance(f, _ExpectedFailuresInOneLine) for f in averager_logger.filters):
@@ -161,7 +172,8 @@ class RoundAverager:
     def release_average(self) -> None:
         """A round that failed (or whose average we refused): its average is never read, while our pseudo-gradient
         stays for a solo step should no state be had from the others. The average's memory goes back now, before
-        the state download that usually follows needs as much again (4 bytes per parameter)."""
+        the state download that usually follows needs as much again (4 bytes per parameter). ``in_place``: that is
+        the one buffer, our pseudo-gradient included (the caller computes it again for a solo step)."""
         self._release(inputs=False)
 
     def _release(self, inputs: bool) -> None:

@@ -62,12 +62,17 @@ class PseudoGradientAverager(DecentralizedAverager):
       peers with a record there may download our state (only secret holders can write to that DHT)
     :param faults: fault injection, for the tests only (``config/faults.py``); crosses into the averager process
     :param inputs: the buffers (in shared memory, shaped like ``averaged_tensors``) that hold what we send in an
-      all-reduce; the averages are written to ``averaged_tensors``. Default: new ones
+      all-reduce; the averages are written to ``averaged_tensors``. Default: new ones. ``averaged_tensors`` itself
+      (the same list): the average is written over what we sent, part by part as each is known (a part's average
+      arrives only after its reducer had our part of it), and an all-reduce that fails once it has begun is not
+      tried again, since what it would send is no longer ours (``RoundAverager(in_place=True)``)
     """
 
     def __init__(self, averaged_tensors, dht: DHT, *, limits: Limits = Limits(), admission: Admission = Admission(),
                  bans: BanList | None = None, progress_key: str = "", faults: Faults = NO_FAULTS,
                  inputs: list[torch.Tensor] | None = None, **kwargs):
+        self.in_place = inputs is averaged_tensors
+        """The average is written over what we sent: no retry once an all-reduce began (``_run_allreduce_inplace_``)."""
         self.inputs = inputs if inputs is not None else flat_tensors([t.shape for t in averaged_tensors], shared=True)
         self.serving = state_transfer.serving_table()
         """The downloads of our state being served (``state_transfer.py``), shared with the host."""
@@ -346,6 +351,8 @@ class PseudoGradientAverager(DecentralizedAverager):
             **kwargs,
         )
         internals.running_group(self, group_id).set_result(runner)
+        if self.in_place:  # from here on, averages may be written over what we send: a retry would send them
+            internals.forbid_retries(self._step_control)
         # the runner reads our pseudo-gradient from ``inputs`` and the averages go to ``tensors``: a retry after a
         # failure (hivemind retries with the same tensors) reads our own values again, and no copy is needed
         async for tensor, averaged in azip(as_aiter(*tensors), runner):

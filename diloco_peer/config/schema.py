@@ -359,6 +359,13 @@ class PeerConfig(_Section):
         pseudo-gradient is computed in its memory, and needs no buffer of its own."""
         return self.outer.overlap == "blocking" and not self.averaging.error_feedback and device_type == "cpu"
 
+    def averages_in_place(self, device_type: str) -> bool:
+        """Whether a round's average is written over the pseudo-gradient it sent (``RoundAverager(in_place=True)``,
+        and the memory table): blocking rounds, no error feedback, training off the CPU. There the replica stays
+        untouched until the outer step, so a failed or refused round's solo step computes the pseudo-gradient
+        again from it; a lent CPU replica (``lends_replica``) saves the same 4 bytes per parameter instead."""
+        return self.outer.overlap == "blocking" and not self.averaging.error_feedback and device_type != "cpu"
+
     def fingerprint(self) -> str:
         """Hash of everything that must be equal across a swarm (model shape, seed, run id)."""
         shared = {"run_id": self.run.run_id, "seed": self.run.seed, "model": self.model.model_dump()}

@@ -233,9 +233,10 @@ def _round_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
         _row("round: pseudo-gradient sent (averager's input buffer)", "averaging/averager.py RoundAverager.__init__; "
              "OuterOptimizer.pseudo_gradient writes it in place (a CPU peer's blocking rounds: the replica's memory)",
              "allreduce", cpu=0 if cfg.lends_replica(CPU) else p, gpu_host=p),
-        _row("round: the average (averager's output buffer, handed out as it is)",
+        _row("round: the average (averager's output buffer, handed out as it is; on a GPU peer's blocking rounds "
+             "written over the pseudo-gradient sent)",
              "averaging/averager.py RoundAverager.__init__; allreduce.py ExactAllReduceRunner._register",
-             "allreduce", cpu=p, gpu_host=p),
+             "allreduce", cpu=p, gpu_host=0 if cfg.averages_in_place("cuda") else p),
     ]
     if feedback:
         rows += [_row("error-feedback residual", "averaging/compression.py ErrorFeedback.roundtrip", "resident",
