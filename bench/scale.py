@@ -7,7 +7,7 @@ throughput, checkpoint write and load time, rounds averaged.
 
 A bootstrap node and ``--peers`` peers run ``diloco-peer join`` on loopback (byte vocabulary, 64-token
 sequences, batch 1, H = ``--inner-steps``: rounds are mostly all-reduce, outer step and checkpoint, where
-the memory goes). The phases:
+the memory goes). The phases (``--phases`` picks which follow the first):
 
 1. **train**: the peers average ``--rounds`` rounds, writing a checkpoint after every round;
 2. **join**: a late joiner downloads the swarm's state (state sync) and averages a round with the others. If a
@@ -241,13 +241,14 @@ def run(args, workdir: Path, sampler: Sampler, ran: dict) -> None:
         # the late joiner: alongside the others if it fits, else in the place of the last peer
         joiner, left = f"peer-{args.peers}", None
         per_peer = max(sampler.peak(n)["pss"] for n in peers)
-        if per_peer * (args.peers + 1) > args.max_total_gb * GB or "join" not in args.phases:
+        join, restore = "join" in args.phases, "restore" in args.phases
+        if (join or restore) and (per_peer * (args.peers + 1) > args.max_total_gb * GB or not join):
             left = peers[-1]
             sampler.phase = "leave"
             swarm.stop(left)
             sampler.pids.pop(left)
         others = [n for n in peers if n != left]
-        if others and "join" in args.phases:  # (a lone peer that left has nobody to download a state from)
+        if others and join:  # (a lone peer that left has nobody to download a state from)
             sampler.phase = "join"
             target = {n: len(_rounds(swarm, n)) for n in others}
             sampler.pids[joiner] = swarm.start_peer(joiner)
@@ -257,7 +258,7 @@ def run(args, workdir: Path, sampler: Sampler, ran: dict) -> None:
                            lambda: any(r["outcome"] == "averaged" for r in _rounds(swarm, joiner))
                            and all(len(_rounds(swarm, n)) > target[n] for n in others), args.timeout)
             phases["join"] = [*others, joiner]
-        if left is not None:  # the peer that left comes back from its checkpoint
+        if left is not None and restore:  # the peer that left comes back from its checkpoint
             if joiner in sampler.pids:
                 sampler.phase = "leave"
                 swarm.stop(joiner)
@@ -351,9 +352,9 @@ def main() -> int:
     parser.add_argument("--min-available-gb", type=float, default=8.0, help="refuse to start with less available")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds each phase may take, e.g. 900")
     parser.add_argument("--phases", default="join,restore", type=lambda text: text.split(","),
-                        help="after train: join,restore (default), or restore alone (the last peer leaves with a "
-                             "checkpoint and comes back from it: a GPU machine's 1B peers, whose join never ends "
-                             "with rounds shorter than a state download)")
+                        help="after train: join,restore (default); restore (the last peer leaves with a checkpoint "
+                             "and comes back from it: a GPU machine's 1B peers, whose join never ends with rounds "
+                             "shorter than a state download); join; or none")
     parser.add_argument("--workdir", default="", help="where logs, events and checkpoints go (default: a temp dir)")
     parser.add_argument("--no-save", action="store_true", help="do not write bench/results.json")
     args = parser.parse_args()

@@ -215,7 +215,9 @@ class PeerDaemon:
             await self.compute(move_parameters, model, replica)
         trainer = self.trainer = await self.compute(Trainer, model, corpus, cfg.inner)
         # in shared memory: the averager process serves them to a downloading peer without a copy (state_sync.py)
-        outer = self.outer = await self.compute(OuterOptimizer, trainer.model, cfg.outer, shared=True)
+        outer = self.outer = await self.compute(OuterOptimizer, trainer.model, cfg.outer, shared=True,
+                                                momentum_device=trainer.device if cfg.outer.momentum_on == "device"
+                                                else None)
         outer.pseudo_gradient_buffers = averager.inputs  # written in place, sent from there: no copy per round
         outer.after_change.append(averager.release)  # an outer step (or a sync) consumed the round's buffers
         return averager, trainer, outer

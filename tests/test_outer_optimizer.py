@@ -119,3 +119,24 @@ def test_overlap_offset_per_mode():
     progress = [torch.full_like(p, 0.2) for p in outer.params]
     assert overlap_offset(outer, "delayed", progress) is progress
     assert all(torch.allclose(d, torch.full_like(d, 0.1)) for d in overlap_offset(outer, "eager", progress))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run it on the device machine)")
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "classic"])
+def test_a_step_with_the_momentum_on_a_gpu_gives_the_same_bits(nesterov):
+    """A GPU peer keeps its momentum on its GPU (``outer.momentum_on``); a CPU peer on the host. Averaging together,
+    they must stay bit-identical: every operation of the step rounds once, on either device."""
+    cfg = OuterConfig(lr=0.7, momentum=0.9, nesterov=nesterov)
+    model = build_model(load_config(None, SMALL).model, seed=0)
+    on_host, on_gpu = OuterOptimizer(model, cfg), OuterOptimizer(model, cfg, momentum_device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(6):  # magnitudes spread over orders of magnitude, where a fused multiply-add would round apart
+        update = [torch.randn(p.shape, generator=gen) * 10.0 ** torch.randint(-6, 2, p.shape, generator=gen)
+                  for p in on_host.params]
+        on_host.step(update)
+        on_gpu.step(update)
+    assert on_gpu.momentum_views[0].device.type == "cuda"
+    assert all(torch.equal(a, b) for a, b in zip(on_host.params, on_gpu.params))
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(on_host.momentum_views, on_gpu.momentum_views))
+    estimate = [torch.randn(p.shape, generator=gen) for p in on_host.params]
+    assert all(torch.equal(a, b) for a, b in zip(on_host.lookahead(estimate), on_gpu.lookahead(estimate)))

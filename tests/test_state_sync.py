@@ -87,10 +87,10 @@ def test_peers_that_have_not_joined_do_not_vote():
 class _Peer:
     """A DHT + averager + outer optimizer: everything state sync touches, in this process."""
 
-    def __init__(self, cfg, initial_peers=(), seed_offset=0, fingerprint=None, faults=NO_FAULTS):
+    def __init__(self, cfg, initial_peers=(), seed_offset=0, fingerprint=None, faults=NO_FAULTS, shared=True):
         self.dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers))
         model = build_model(cfg.model, cfg.run.seed + seed_offset)
-        self.outer = OuterOptimizer(model, cfg.outer)
+        self.outer = OuterOptimizer(model, cfg.outer, shared=shared)  # (shared: as the daemon's)
         self.averager = RoundAverager(self.dht, [p.shape for p in self.outer.params], cfg.run.run_id, cfg.averaging,
                                       faults=faults)
         self.served = []

@@ -76,6 +76,7 @@ class ServedStates:
         """The (slot, generation) ``open`` gave last (the averager's ``get_current_state`` passes it on)."""
         self.spill_dir: Path | None = None
         self.in_memory_limit = 0
+        self._copies = 0  # copies written for a download by ``readable`` (their files' names)
 
     def spill_to(self, directory: Path, in_memory_limit: int) -> None:
         """Copies for a frozen download over ``in_memory_limit`` bytes go to a file in ``directory`` instead of
@@ -85,6 +86,29 @@ class ServedStates:
             for leftover in directory.glob("serve-*.bin"):
                 leftover.unlink(missing_ok=True)
         self.spill_dir, self.in_memory_limit = directory, in_memory_limit
+
+    def readable(self, tensors: list[torch.Tensor]) -> list:
+        """``tensors`` as the averager process can serve them (call it with the state locked): as they are if they
+        lie in the host's shared memory (or, with no ``spill_dir``, on the host at all: torch's pickler moves them
+        there), else a copy for one download. A GPU peer's momentum goes to a file in ``spill_dir`` a tensor at a
+        time (the page cache holds it, the serving averager process removes it when the download ends), or into
+        shared memory if that file cannot be written."""
+        if all(t.device.type == "cpu" and (t.is_shared() or self.spill_dir is None) for t in tensors):
+            return tensors
+        if self.spill_dir is not None:
+            self._copies += 1
+            path = self.spill_dir / f"serve-{os.getpid()}-copy-{self._copies}.bin"
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                return SpilledTensors.write(path, tensors).items()
+            except OSError as e:
+                path.unlink(missing_ok=True)
+                logger.warning(f"state served: could not write a copy of the state to {path} ({e}); copying it to "
+                               f"memory instead")
+        copies = flat_tensors([t.shape for t in tensors], shared=True)
+        for copy, tensor in zip(copies, tensors):
+            copy.copy_(tensor)
+        return copies
 
     def open(self, tensors: list[torch.Tensor]) -> tuple[int, int]:
         """Register a download of ``tensors`` (call it with the state locked): its (slot, generation)."""
@@ -106,8 +130,9 @@ class ServedStates:
             if int(self.table[slot, FROZEN]) >= 0:
                 continue  # frozen already: it reads copies
             start = int(self.table[slot, NEXT])
-            if start < len(tensors):
-                rest = tensors[start:]
+            # (copies written for this download, which come last, stay as they are)
+            rest = [t for t in tensors[start:] if not isinstance(t, SpilledTensor)]
+            if rest:
                 size, copies = sum(t.numel() * t.element_size() for t in rest), None
                 if self.spill_dir is not None and size > self.in_memory_limit:
                     copies = self._spill(rest, size, self.spill_dir / f"serve-{os.getpid()}-{slot}-{generation}.bin")
@@ -164,10 +189,11 @@ class SpilledTensors:
 
     @classmethod
     def write(cls, path: Path, tensors: list[torch.Tensor]) -> SpilledTensors:
-        """Write ``tensors`` (on the CPU) to ``path``, without a copy in memory (the bytes go from the tensors' pages)."""
+        """Write ``tensors`` to ``path``, without a copy in memory (the bytes go from the tensors' pages; a GPU
+        tensor's through one host copy of it)."""
         with open(path, "wb") as file:
-            for tensor in tensors:
-                file.write(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            for tensor in tensors:  # (a GPU tensor comes to the host one at a time)
+                file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
         return cls(path, [(t.shape, t.dtype) for t in tensors])
 
     def __len__(self) -> int:
@@ -184,6 +210,35 @@ class SpilledTensors:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+
+    def items(self) -> list[SpilledTensor]:
+        """Each tensor of the file as an item of a served state (``serve`` reads it when its turn comes)."""
+        return [SpilledTensor(self, index) for index in range(len(self))]
+
+
+class SpilledTensor:
+    """One tensor of a ``SpilledTensors`` file, standing in a served state's tensor list: a copy written for one
+    download (a GPU peer's momentum, which the averager process cannot read where it lives), never changed, and
+    removed with the file when that download ends."""
+
+    requires_grad = False
+
+    def __init__(self, file: SpilledTensors, index: int):
+        self.file, self.index = file, index
+
+    def load(self) -> torch.Tensor:
+        return self.file[self.index]
+
+    # hivemind's pipe to the averager process brings each served tensor to the CPU first
+    # (``tensor.cpu().detach().requires_grad_(...)``, see hivemind_internals): this one stays the file's item
+    def cpu(self) -> SpilledTensor:
+        return self
+
+    def detach(self) -> SpilledTensor:
+        return self
+
+    def requires_grad_(self, requires_grad: bool = True) -> SpilledTensor:
+        return self
 
 
 def _drop_frozen(averager, slot: int) -> None:
@@ -207,8 +262,13 @@ async def serve(averager, metadata: bytes, tensors: list[torch.Tensor], served: 
             if index - first == averager.faults.serve_break_after:  # fault injection: a stream that breaks off
                 return
             await averager.faults.stall_serving(index - first)  # fault injection: a donor that goes silent
+            copied = isinstance(tensor, SpilledTensor)  # written for this download: it never changes
+            tensor = tensor.load() if copied else tensor
             info, serialized = CompressionInfo.from_tensor(tensor, key=index), None
-            if int(table[slot, FROZEN]) < 0:
+            if copied:
+                serialized = compress(tensor, info, allow_inplace=False)
+                table[slot, NEXT] = index + 1
+            elif int(table[slot, FROZEN]) < 0:
                 serialized = compress(tensor, info, allow_inplace=False)  # a copy of one tensor, from the live one
                 if int(table[slot, FROZEN]) < 0:  # still unchanged after the copy: it holds the state we serve
                     table[slot, NEXT] = index + 1
@@ -224,6 +284,8 @@ async def serve(averager, metadata: bytes, tensors: list[torch.Tensor], served: 
         if served is not None and int(table[slot, GENERATION]) == generation:
             table[slot, ACTIVE] = 0
             _drop_frozen(averager, slot)
+        for file in {id(t.file): t.file for t in tensors if isinstance(t, SpilledTensor)}.values():
+            file.remove()
     yield averaging_pb2.DownloadData()  # the end mark: the downloader knows it has everything, and hangs up
     await until_the_caller_hangs_up()
 

@@ -152,7 +152,7 @@ class InnerConfig(_Section):
 
 
 class OuterConfig(_Section):
-    """The outer optimizer, applied every H inner steps to the averaged pseudo-gradient (on CPU)."""
+    """The outer optimizer, applied every H inner steps to the averaged pseudo-gradient (weights on the host)."""
 
     inner_steps: int = Field(50, ge=1)
     """H: inner steps between two outer rounds."""
@@ -162,6 +162,10 @@ class OuterConfig(_Section):
     BENCHMARKS.md, the overlap study)."""
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
+    momentum_on: Literal["device", "host"] = "device"
+    """Where the outer Nesterov momentum lives: ``device``, where the replica trains (a GPU peer's host then holds
+    4 bytes per parameter less, and its GPU as much more; a CPU peer's is the host either way), or ``host`` (a GPU
+    short of memory). Either way the outer step gives the same bits (``training/outer_optimizer.py``)."""
     overlap: Literal["blocking", "eager", "delayed"] = "blocking"
     """``blocking``: wait for each round's average before training on (DiLoCo, OpenDiLoCo).
     ``eager`` (the overlap to use): average round t's progress while round t+1 trains; round t+1 starts from

@@ -191,7 +191,9 @@ class StateSync:
         with self.lock:
             metadata = {"epoch": self.outer.epoch, "inner_step": self.outer.epoch * self.inner_steps,
                         "fingerprint": self.fingerprint, "state_hash": self.state_hash, DIGESTS: self.digests}
-            tensors = [p.detach() for p in self.outer.params] + list(self.outer.momentum_views)
+            live = [p.detach() for p in self.outer.params] + self.outer.momentum_views
+            # (a GPU peer's momentum: a copy written for this download, which the averager process reads back)
+            tensors = live[:n] + self.averager.served.readable(live[n:])
             if self.faults.corrupt:  # fault injection: serve other weights (copies: ours stay as they are)
                 tensors[:n] = self.faults.corrupt_state([t.clone() for t in tensors[:n]])
             self.averager.served.open(tensors)  # this download's slot: an outer step meanwhile freezes its rest
@@ -199,7 +201,7 @@ class StateSync:
         if lie is not None:
             metadata.update(epoch=lie, inner_step=lie * self.inner_steps)
         if self.on_serve is not None:
-            self.on_serve(metadata["epoch"], sum(t.numel() * t.element_size() for t in tensors))
+            self.on_serve(metadata["epoch"], sum(t.numel() * t.element_size() for t in live))
         return metadata, tensors
 
     def needs_sync(self, target: Target | None) -> str:

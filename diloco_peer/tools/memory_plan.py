@@ -225,11 +225,13 @@ def _round_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
     p = shape.parameters * FP32
     overlapped = cfg.outer.overlap != "blocking"
     feedback = cfg.averaging.error_feedback
+    on_gpu = cfg.outer.momentum_on == "device"
     rows = [
         _row("outer weights (fp32, shared memory)", "training/outer_optimizer.py OuterOptimizer.__init__ "
              "(flat_tensors)", "resident", cpu=p, gpu_host=p),
-        _row("outer Nesterov momentum (shared memory)", "training/outer_optimizer.py OuterOptimizer.__init__ "
-             "(flat_tensors, SGD's momentum_buffer)", "resident", cpu=p, gpu_host=p),
+        _row("outer Nesterov momentum (shared memory; on a GPU peer's GPU with outer.momentum_on=device)",
+             "training/outer_optimizer.py OuterOptimizer.__init__ (momentum_device)", "resident", cpu=p,
+             gpu_host=0 if on_gpu else p, gpu=p if on_gpu else 0),
         _row("round: pseudo-gradient sent (averager's input buffer)", "averaging/averager.py RoundAverager.__init__; "
              "OuterOptimizer.pseudo_gradient writes it in place (a CPU peer's blocking rounds: the replica's memory)",
              "allreduce", cpu=0 if cfg.lends_replica(CPU) else p, gpu_host=p),
@@ -261,6 +263,10 @@ def _state_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
         # written from the live tensors; a GPU peer's AdamW state reaches the file through the host, a tensor at a time
         _row("checkpoint: one GPU tensor on its way to the file", "state/checkpoint.py write_atomically "
              "(torch's serializer)", "checkpoint", gpu_host=largest),
+        # a GPU peer's momentum is written to a file for each download (the page cache holds it), a tensor at a time
+        _row("state served: a GPU momentum tensor on its way to the download's copy", "state/state_sync.py "
+             "StateSync._current_state; averaging/state_transfer.py SpilledTensors.write", "serve",
+             gpu_host=largest if cfg.outer.momentum_on == "device" else 0),
         # served from the outer state's shared memory; only an outer step during a download copies anything
         _row("state served: the unread rest, copied when our state changes during a download (in memory up to "
              "averaging.serve_copy_in_memory_mb, else to a file)",

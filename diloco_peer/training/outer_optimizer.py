@@ -8,15 +8,18 @@ then every peer applies the same SGD step to its outer weights and copies them i
     step  <- g + momentum * buf            (Nesterov)   or   buf   (classic momentum)
     outer <- outer - lr * step
 
-This is torch.optim.SGD(nesterov=True) semantics, which is what DiLoCo and OpenDiLoCo use. Peers that
-start from identical outer weights and receive bit-identical averages stay bit-identical.
+This is torch.optim.SGD(nesterov=True) semantics, which is what DiLoCo and OpenDiLoCo use, computed here one
+operation at a time: each multiplication and addition rounds once (no fused multiply-add, which a GPU kernel and a
+CPU's vector code may or may not use), so a step gives the same bits wherever the momentum lives. Peers that
+start from identical outer weights and receive bit-identical averages stay bit-identical, CPU and GPU peers alike.
 
-Memory: the outer weights and the momentum are one flat buffer each (``shared``: in shared memory, so that the
-averager process serves them to a downloading peer without a copy, see ``state/state_sync.py``), 8 bytes per
-parameter together; the momentum exists from the start (zeros: SGD's first step ``buf = g`` becomes
-``0 * m + g``, the same value). Whoever reads them while they may change (a checkpoint being written, a state
-being served) registers in ``before_change``: it is called before every change, and either finishes reading or
-takes a copy of what it has not read yet.
+Memory: the outer weights are one flat buffer (``shared``: in shared memory, so that the averager process serves
+them to a downloading peer without a copy, see ``state/state_sync.py``), 4 bytes per parameter. The momentum is
+another such buffer on the host, or (``momentum_device``, a GPU peer's default: ``outer.momentum_on``) lives on
+the GPU beside the replica: 4 bytes per parameter off the host, served from a copy written for each download. It
+exists from the start (zeros: SGD's first step ``buf = g`` becomes ``0 * m + g``, the same value). Whoever reads
+these while they may change (a checkpoint being written, a state being served) registers in ``before_change``: it
+is called before every change, and either finishes reading or takes a copy of what it has not read yet.
 """
 
 from __future__ import annotations
@@ -82,22 +85,22 @@ class OuterOptimizer:
     :param model: the replica; its parameters define the order and shapes of everything here
     :param cfg: the ``[outer]`` section (lr, momentum, nesterov)
     :param shared: keep weights and momentum in shared memory (the daemon: its averager process serves them)
+    :param momentum_device: where the momentum lives, if not on the host (a GPU peer: its training device)
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: OuterConfig, shared: bool = False):
+    def __init__(self, model: torch.nn.Module, cfg: OuterConfig, shared: bool = False,
+                 momentum_device: torch.device | str | None = None):
         self.model = model
-        replica = list(model.parameters())
-        self.params = [torch.nn.Parameter(t, requires_grad=False)
-                       for t in flat_tensors([p.shape for p in replica], shared)]
+        shapes = [p.shape for p in model.parameters()]
+        self.params = [torch.nn.Parameter(t, requires_grad=False) for t in flat_tensors(shapes, shared)]
         with torch.no_grad():
-            for outer, p in zip(self.params, replica):
+            for outer, p in zip(self.params, model.parameters()):
                 outer.copy_(p.detach())
-        self.optimizer = torch.optim.SGD(
-            self.params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov
-        )
-        # (also without momentum, where SGD ignores them: a state always has one, and serves and hashes the same)
-        for p, buf in zip(self.params, flat_tensors([p.shape for p in self.params], shared)):
-            self.optimizer.state[p]["momentum_buffer"] = buf
+        device = torch.device(momentum_device or "cpu")
+        # (also without momentum, which then stays zeros: a state always has one, and serves and hashes the same)
+        # on a GPU one allocation per tensor: a checkpoint copies each GPU storage it writes to the host whole
+        self._momentum = flat_tensors(shapes, shared) if device.type == "cpu" else \
+            [torch.zeros(shape, device=device) for shape in shapes]
         self.epoch = 0
         """Outer rounds applied so far."""
         self.lr, self.momentum, self.nesterov = cfg.lr, cfg.momentum, cfg.nesterov
@@ -111,7 +114,7 @@ class OuterOptimizer:
     @property
     def momentum_views(self) -> list[torch.Tensor]:
         """The live momentum buffers (zeros before the first step, and always without momentum): read only."""
-        return [self.optimizer.state[p]["momentum_buffer"] for p in self.params]
+        return list(self._momentum)
 
     @torch.no_grad()
     def pseudo_gradient(self) -> list[torch.Tensor]:
@@ -140,10 +143,13 @@ class OuterOptimizer:
     def step(self, averaged_pseudo_gradient: list[torch.Tensor]) -> None:
         """Apply one outer step with the (averaged) pseudo-gradient and load the result into the replica."""
         self._changing()
-        for outer, grad in zip(self.params, averaged_pseudo_gradient):
-            outer.grad = grad.to(torch.float32)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        m, lr = self.momentum, self.lr
+        for outer, grad, buf in zip(self.params, averaged_pseudo_gradient, self._momentum):
+            g = grad.to(buf.device, torch.float32)  # computed where the momentum lives, one tensor at a time
+            if m:
+                buf.mul_(m).add_(g)
+                g = buf * m + g if self.nesterov else buf  # (two operations, each rounded: see the module's doc)
+            outer.sub_((g * lr).to(outer.device))
         self.epoch += 1
         self.load_into_model()
         self._changed()
@@ -161,7 +167,7 @@ class OuterOptimizer:
         """``lookahead``, one tensor at a time (no full-model temporary where the caller consumes each at once)."""
         m = self.momentum  # (no grad mode switched here: a generator would leave it switched between items)
         for g, buf in zip(estimate, self.momentum_views):
-            g = g.to(torch.float32)
+            g, buf = g.to(torch.float32), buf.to(g.device)
             if not m:
                 yield -self.lr * g
             elif self.nesterov:
