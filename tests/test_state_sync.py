@@ -1,7 +1,9 @@
 """State sync: choosing the swarm's state, downloading it from real peers, refusing bad or stale donors."""
 
 import asyncio
+import gc
 import time
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +12,7 @@ from conftest import wait_until
 from hivemind.compression import NoCompression
 from hivemind.dht import DHT
 
-from diloco_peer.averaging import state_transfer
+from diloco_peer.averaging import state_files, state_transfer
 from diloco_peer.averaging.averager import RoundAverager
 from diloco_peer.config import load_config
 from diloco_peer.config.faults import FAULT_ENV, NO_FAULTS, Faults
@@ -196,6 +198,32 @@ def test_a_download_broken_off_resumes_from_another_donor_where_it_was(peers, mo
     assert rest <= result.bytes < rest + (state[0].numel() * 4) // 2, (rest, result.bytes)
     assert newcomer.sync.state_hash == good.sync.state_hash == newcomer.sync._own_hash()
     assert newcomer.sync.digests == good.sync.digests
+
+
+def test_a_momentum_off_the_host_is_downloaded_into_a_file_and_resumed_there(peers, monkeypatch, tmp_path):
+    """A GPU peer keeps its momentum on its GPU (``outer.momentum_on``; here: outside shared memory): a download
+    stages that half in a file of its spill directory, not in memory (4 bytes per parameter less on the host).
+    Broken off inside that half, it resumes there from the next donor; the file goes once the state is ours."""
+    good = peers()
+    n = len(good.outer.params)
+    newcomer, breaking = peers(shared=False), peers(faults=Faults.parse(f"break_serve:{n + 3}"))
+    good.advance(2)
+    assert asyncio.run(breaking.sync.sync(good.target())).ok  # it holds (and publishes) the swarm's very state
+    newcomer.averager.averager.served.spill_to(tmp_path, 0)
+    made, create = [], state_files.SpilledTensors.create
+    monkeypatch.setattr(state_files.SpilledTensors, "create",
+                        lambda path, shapes: made.append((path, weakref.ref(staged := create(path, shapes)))) or staged)
+    monkeypatch.setattr(state_sync.random, "shuffle", lambda donors: None)  # the breaking donor is tried first
+    result = asyncio.run(newcomer.sync.sync(Target(2, good.sync.state_hash, [breaking.id, good.id])))
+    assert result.ok and result.donor == good.id and result.attempts == 2, result
+    assert [path.parent for path, _ in made] == [tmp_path]
+    assert newcomer.sync.state_hash == good.sync.state_hash == newcomer.sync._own_hash()
+    assert param_sha256(newcomer.outer.momentum_buffers()) == param_sha256(good.outer.momentum_buffers())
+    state = [*good.outer.params, *good.outer.momentum_views]
+    rest = sum(t.numel() * 4 for t in state[n + 3:])  # the good donor sent the momentum's rest only
+    assert rest <= result.bytes < rest + (state[0].numel() * 4) // 2, (rest, result.bytes)
+    gc.collect()
+    assert made[0][1]() is None and not made[0][0].exists(), "the download's file outlived the state it staged"
 
 
 @pytest.mark.parametrize("fault, reason", [

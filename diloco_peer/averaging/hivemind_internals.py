@@ -77,7 +77,7 @@ INVENTORY = (
     PrivateUse("hivemind.averaging.averager", "_background_thread_fetch_current_state", "relies",
                f"{_OURS}.get_current_state: its third element (our download's slot, not tensor infos) comes "
                "through as it is, and CPU tensors (in shared memory) are passed, not copied; it calls "
-               "tensor.cpu().detach().requires_grad_(...) on each, which state_transfer.SpilledTensor answers",
+               "tensor.cpu().detach().requires_grad_(...) on each, which state_files.SpilledTensor answers",
                ("serializer", "pipe", "get_current_state_ref"),
                "0bef353cf74912ec85a435b0859c08544ee6d557a9072619118d0d8a1b57f572"),
     *_reads(AVERAGER, "the accessors below", "_p2p", "_outer_pipe", "_running_groups", "_matchmaking",

@@ -42,6 +42,7 @@ from ..training.model import param_sha256, state_digest
 from ..training.outer_optimizer import flat_tensors
 from . import hivemind_internals as internals
 from .compression import deserialize
+from .state_files import SpilledTensor, SpilledTensors
 
 logger = logging.getLogger(__name__)
 
@@ -173,74 +174,6 @@ class ServedStates:
                 del self._served[slot]
 
 
-class SpilledTensors:
-    """Tensors written one after another to a file, read back one at a time (``ServedStates.freeze``'s copies of a
-    big state). Pickles as its path and layout: the averager process opens the file the host wrote.
-
-    :param path: the file
-    :param layout: (shape, dtype) of each tensor, in the file's order
-    """
-
-    def __init__(self, path: Path, layout: list[tuple[torch.Size, torch.dtype]]):
-        self.path, self.layout = path, layout
-        self.offsets = [0]
-        for shape, dtype in layout:
-            self.offsets.append(self.offsets[-1] + shape.numel() * dtype.itemsize)
-
-    @classmethod
-    def write(cls, path: Path, tensors: list[torch.Tensor]) -> SpilledTensors:
-        """Write ``tensors`` to ``path``, without a copy in memory (the bytes go from the tensors' pages; a GPU
-        tensor's through one host copy of it)."""
-        with open(path, "wb") as file:
-            for tensor in tensors:  # (a GPU tensor comes to the host one at a time)
-                file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-        return cls(path, [(t.shape, t.dtype) for t in tensors])
-
-    def __len__(self) -> int:
-        return len(self.layout)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        shape, dtype = self.layout[index]
-        data = bytearray(self.offsets[index + 1] - self.offsets[index])
-        with open(self.path, "rb") as file:
-            file.seek(self.offsets[index])
-            if file.readinto(data) != len(data):
-                raise RuntimeError(f"{self.path} ends before tensor {index}: it was cut short or removed")
-        return torch.frombuffer(data, dtype=dtype).view(shape) if data else torch.empty(shape, dtype=dtype)
-
-    def remove(self) -> None:
-        self.path.unlink(missing_ok=True)
-
-    def items(self) -> list[SpilledTensor]:
-        """Each tensor of the file as an item of a served state (``serve`` reads it when its turn comes)."""
-        return [SpilledTensor(self, index) for index in range(len(self))]
-
-
-class SpilledTensor:
-    """One tensor of a ``SpilledTensors`` file, standing in a served state's tensor list: a copy written for one
-    download (a GPU peer's momentum, which the averager process cannot read where it lives), never changed, and
-    removed with the file when that download ends."""
-
-    requires_grad = False
-
-    def __init__(self, file: SpilledTensors, index: int):
-        self.file, self.index = file, index
-
-    def load(self) -> torch.Tensor:
-        return self.file[self.index]
-
-    # hivemind's pipe to the averager process brings each served tensor to the CPU first
-    # (``tensor.cpu().detach().requires_grad_(...)``, see hivemind_internals): this one stays the file's item
-    def cpu(self) -> SpilledTensor:
-        return self
-
-    def detach(self) -> SpilledTensor:
-        return self
-
-    def requires_grad_(self, requires_grad: bool = True) -> SpilledTensor:
-        return self
-
-
 def _drop_frozen(averager, slot: int) -> None:
     dropped = averager.frozen_serves.pop(slot, None)
     if dropped is not None and isinstance(dropped[2], SpilledTensors):
@@ -317,12 +250,12 @@ def keep_frozen(averager, slot: int, generation: int, start: int, copies: list[t
 async def download(averager, donor: str, timeout: float, into: list[torch.Tensor] | None = None,
                    resume: torch.Tensor | None = None, expected: str = "") -> tuple[dict, list[torch.Tensor], int]:
     """In the averager process: ``donor``'s state as (metadata, tensors, bytes received); the tensors that have our
-    state's shapes lie in one shared-memory buffer, ``into`` if given. ``timeout`` bounds the wait for each chunk.
-
-    ``resume`` (a shared int64 counter, with ``into`` and ``expected``): the donor is asked for the tensors from
-    ``resume[0]`` on only (the earlier ones are in ``into`` already, checked); each tensor that arrives matching
-    the digest the donor lists for it moves the counter on, if that list hashes to ``expected`` (the state the
-    swarm publishes, ``model.state_digest``). A download broken off then resumes there, from another donor."""
+    state's shapes lie in one shared-memory buffer, ``into`` if given (items of a file: ``state_files.staging_for``).
+    ``timeout`` bounds the wait for each chunk. ``resume`` (a shared int64 counter, with ``into`` and ``expected``):
+    the donor is asked for the tensors from ``resume[0]`` on only (the earlier ones are in ``into`` already,
+    checked); each tensor that arrives matching the digest the donor lists for it moves the counter on, if that
+    list hashes to ``expected`` (the state the swarm publishes, ``model.state_digest``). A download broken off then
+    resumes there, from another donor."""
     start = int(resume[0]) if resume is not None and into is not None else 0
     stub = averager.get_stub(internals.p2p_of(averager), PeerID.from_base58(donor), namespace=averager.prefix)
     if start:
@@ -340,8 +273,9 @@ async def download(averager, donor: str, timeout: float, into: list[torch.Tensor
         tensor = deserialize(combine_from_streaming(parts))
         index = len(tensors)
         if index < len(staging) and tensor.shape == staging[index].shape and tensor.dtype == torch.float32:
-            tensor = staging[index].copy_(tensor)
-            if digests is not None and int(resume[0]) == index and param_sha256([tensor]) == digests[index]:
+            listed = digests is not None and int(resume[0]) == index and param_sha256([tensor]) == digests[index]
+            tensor = staging[index].copy_(tensor)  # (a file's item: written there, and the item comes back)
+            if listed:
                 resume[0] = index + 1
         return tensor  # not our state's shape: kept as it came, for the checks to refuse with a clear message
 

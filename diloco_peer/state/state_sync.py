@@ -50,13 +50,14 @@ from pathlib import Path
 import torch
 
 from ..averaging.pseudo_gradient_averager import PseudoGradientAverager
+from ..averaging.state_files import SpilledTensor, staging_for
 from ..averaging.state_transfer import DIGESTS
 from ..config import AveragingConfig
 from ..config.faults import NO_FAULTS, Faults
 from ..lifecycle import hivemind_calls
 from ..swarm.progress import QUORUM, ProgressRecord, quorum_epoch, voters
 from ..training.model import param_sha256, state_digest
-from ..training.outer_optimizer import OuterOptimizer, flat_tensors
+from ..training.outer_optimizer import OuterOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -225,12 +226,15 @@ class StateSync:
             return "its config fingerprint differs from ours (another model or run)"
         if len(tensors) != 2 * n:
             return f"it sent {len(tensors)} tensors, expected {2 * n}"
+        digests = []
         for mine, theirs in zip(self.outer.params * 2, tensors):
             if theirs.shape != mine.shape or theirs.dtype != torch.float32:
                 return f"a tensor has shape {tuple(theirs.shape)} {theirs.dtype}, expected {tuple(mine.shape)} float32"
-            if not torch.isfinite(theirs).all():
+            values = theirs.load() if isinstance(theirs, SpilledTensor) else theirs  # (read from its file once)
+            if not torch.isfinite(values).all():
                 return "it sent non-finite values"
-        self.checked = [param_sha256([t]) for t in tensors]
+            digests.append(param_sha256([values]))
+        self.checked = digests
         if metadata.get("epoch") != target.epoch or target.epoch < self.outer.epoch:
             return (f"it sent epoch {metadata.get('epoch')}, expected the swarm's {target.epoch} "
                     f"(>= ours, {self.outer.epoch})")
@@ -286,6 +290,8 @@ class StateSync:
         metadata, tensors, received = await _unless_stopped(hivemind_calls.call(
             self.averager.download_state_from, donor, self.cfg.sync_timeout, into=staging, resume=resume,
             expected=target.state_hash), should_stop)
+        # a staging file's items come back as copies of ours: ours, whose file lives as long as they are referenced
+        tensors = [staging[i] if isinstance(t, SpilledTensor) else t for i, t in enumerate(tensors)]
         if len(tensors) < len(staging):  # a reset stream (e.g. a relay's limit) ends like a complete one, between
             # two tensors: a network fault, not the donor's offense
             raise RuntimeError(f"the state download broke off after {len(tensors)} of {len(staging)} tensors")
@@ -315,7 +321,7 @@ class StateSync:
         self.averager.allow_state_sharing = False  # nobody should download from us while we are behind
         queue = list(donors)
         # kept across donors: a download broken off resumes where it was, from the next donor
-        staging = flat_tensors([p.shape for p in self.outer.params] * 2, shared=True)
+        staging = staging_for(self.outer.params, self.outer.momentum_views, self.averager.served.spill_dir)
         resume = torch.zeros(1, dtype=torch.int64).share_memory_()
         try:
             while queue and result.attempts < self.cfg.sync_attempts and not should_stop():

@@ -274,9 +274,10 @@ def _state_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
              cpu=serve_copy, gpu_host=serve_copy),
         # one shared-memory buffer for the whole sync (a broken download resumes into it), which the averager
         # process fills; checked, copied into our state in place, then freed (not kept by either process's heap)
+        # (a GPU peer with its momentum on the GPU stages the momentum half in a file: state_files.staging_for)
         _row("state downloaded (shared memory), checked, then copied in", "state/state_sync.py StateSync.sync; "
              "averaging/state_transfer.py download; OuterOptimizer.load_state", "sync", cpu=2 * p + largest,
-             gpu_host=2 * p + largest),
+             gpu_host=(p if cfg.outer.momentum_on == "device" else 2 * p) + largest),
     ]
 
 
