@@ -81,10 +81,11 @@ class ServedStates:
 
     def spill_to(self, directory: Path, in_memory_limit: int) -> None:
         """Copies for a frozen download over ``in_memory_limit`` bytes go to a file in ``directory`` instead of
-        memory (the directory is made when first needed). Files an earlier process of this peer left there (killed
-        mid-download) are removed."""
+        memory (the directory is made when first needed; a GPU peer's downloads stage their momentum there too,
+        ``state_files.staging_for``). Files an earlier process of this peer left there (killed mid-download, either
+        way) are removed."""
         if directory.is_dir():
-            for leftover in directory.glob("serve-*.bin"):
+            for leftover in [*directory.glob("serve-*.bin"), *directory.glob("download-*.bin")]:
                 leftover.unlink(missing_ok=True)
         self.spill_dir, self.in_memory_limit = directory, in_memory_limit
 
