@@ -226,6 +226,7 @@ async def _average_all(averagers, inputs, epoch):
 
 
 @pytest.mark.slow
+@pytest.mark.light  # three averagers in this process, as test_averaging_round's: it runs beside the swarm lane
 @pytest.mark.parametrize("poison, kind, aggregation", [
     ("nan", "non_finite", "mean"),
     ("1000", "norm", "mean"),
