@@ -97,20 +97,10 @@ class ServedStates:
         shared memory if that file cannot be written."""
         if all(t.device.type == "cpu" and (t.is_shared() or self.spill_dir is None) for t in tensors):
             return tensors
-        if self.spill_dir is not None:
-            self._copies += 1
-            path = self.spill_dir / f"serve-{os.getpid()}-copy-{self._copies}.bin"
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                return SpilledTensors.write(path, tensors).items()
-            except OSError as e:
-                path.unlink(missing_ok=True)
-                logger.warning(f"state served: could not write a copy of the state to {path} ({e}); copying it to "
-                               f"memory instead")
-        copies = flat_tensors([t.shape for t in tensors], shared=True)
-        for copy, tensor in zip(copies, tensors):
-            copy.copy_(tensor)
-        return copies
+        self._copies += 1
+        path = self.spill_dir / f"serve-{os.getpid()}-copy-{self._copies}.bin" if self.spill_dir else None
+        copies = self._copy_out(tensors, path, "a copy of our state for one download")
+        return copies.items() if isinstance(copies, SpilledTensors) else copies
 
     def open(self, tensors: list[torch.Tensor]) -> tuple[int, int]:
         """Register a download of ``tensors`` (call it with the state locked): its (slot, generation)."""
@@ -135,17 +125,27 @@ class ServedStates:
             # (copies written for this download, which come last, stay as they are)
             rest = [t for t in tensors[start:] if not isinstance(t, SpilledTensor)]
             if rest:
-                size, copies = sum(t.numel() * t.element_size() for t in rest), None
-                if self.spill_dir is not None and size > self.in_memory_limit:
-                    copies = self._spill(rest, size, self.spill_dir / f"serve-{os.getpid()}-{slot}-{generation}.bin")
-                if copies is None:
-                    copies = flat_tensors([t.shape for t in rest], shared=True)
-                    for copy, tensor in zip(copies, rest):
-                        copy.copy_(tensor)
+                size = sum(t.numel() * t.element_size() for t in rest)
+                big = self.spill_dir is not None and size > self.in_memory_limit
+                path = self.spill_dir / f"serve-{os.getpid()}-{slot}-{generation}.bin" if big else None
+                copies = self._copy_out(rest, path, "our state changed during a download; what it had not read yet")
                 internals.send_to_averager_process(self.averager, "_freeze_serve", slot, generation, start, copies)
             self.table[slot, FROZEN] = start  # only now may the state change (the averager process checks this)
 
-    def _spill(self, tensors: list[torch.Tensor], size: int, path: Path) -> SpilledTensors | None:
+    def _copy_out(self, tensors: list[torch.Tensor], path: Path | None, what: str) -> SpilledTensors | list:
+        """A copy of ``tensors`` for a download: written to ``path``, read back a tensor at a time (``_spill``), or
+        in shared memory with no path, or if writing fails."""
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        spilled = self._spill(tensors, size, path, what) if path is not None else None
+        if spilled is not None:
+            return spilled
+        copies = flat_tensors([t.shape for t in tensors], shared=True)
+        for copy, tensor in zip(copies, tensors):
+            copy.copy_(tensor)
+        return copies
+
+    def _spill(self, tensors: list[torch.Tensor], size: int, path: Path,
+               what: str = "our state changed during a download; what it had not read yet") -> SpilledTensors | None:
         """``tensors`` (``size`` bytes) written to ``path``; None if that failed (e.g. a full disk: the caller copies
         them in memory)."""
         started = time.perf_counter()
@@ -155,11 +155,11 @@ class ServedStates:
         except OSError as e:
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
-            logger.warning(f"state served: could not write the {size / 2**20:.0f} MB a download has not read yet to "
-                           f"{path} ({e}); keeping them in memory")
+            logger.warning(f"state served: {what}, {size / 2**20:.0f} MB, could not be written to {path} ({e}); "
+                           f"keeping it in memory")
             return None
-        logger.info(f"state served: our state changed during a download; its unread {size / 2**20:.0f} MB went to "
-                    f"{path} in {time.perf_counter() - started:.1f}s")
+        logger.info(f"state served: {what}, {size / 2**20:.0f} MB, went to {path} in "
+                    f"{time.perf_counter() - started:.1f}s")
         return spilled
 
     def _prune(self) -> None:
