@@ -361,7 +361,7 @@ class OuterRounds:
             result = (await self.sync.sync(target, self.should_stop, reuse=result)).after(result)
         self.events.write("sync", peer=self.name, reason=why, donor=result.donor, epoch=result.epoch,
                           seconds=result.seconds, bytes=result.bytes, attempts=result.attempts, ok=result.ok,
-                          error=result.error, donor_errors=result.donor_errors)
+                          error=result.error, donor_errors=result.donor_errors, rounds=result.rounds)
         if not result.ok:
             logger.warning(f"state sync failed ({result.error}); will try again at the next round")
             await self._distrust(target, result)

@@ -12,7 +12,7 @@ from conftest import wait_until
 from hivemind.compression import NoCompression
 from hivemind.dht import DHT
 
-from diloco_peer.averaging import state_files, state_transfer
+from diloco_peer.averaging import round_log, state_files, state_transfer
 from diloco_peer.averaging.averager import RoundAverager
 from diloco_peer.config import load_config
 from diloco_peer.config.faults import FAULT_ENV, NO_FAULTS, Faults
@@ -167,6 +167,64 @@ def test_a_peer_that_only_ever_syncs_says_why_it_does_not_catch_up(peers, caplog
     assert newcomer.sync.behind == []
 
 
+def _fp16_rounds(*peers_, rounds=1):
+    """``rounds`` outer steps with the same update on every peer, of fp16 values (as a swarm averaging in fp16)."""
+    for _ in range(rounds):
+        update = [(torch.randn_like(p) * 0.01).half().float() for p in peers_[0].outer.params]
+        for peer in peers_:
+            with peer.sync.lock:
+                peer.outer.step(update)
+                peer.sync.after_outer_step()
+
+
+def test_a_peer_rounds_behind_catches_up_with_their_logged_updates_not_the_state(peers, tmp_path):
+    """A joiner whose download outlasted rounds downloaded the state again, and again (``FALLING_BEHIND``): the
+    donor now logs the rounds that end while someone downloads, and a peer a few rounds behind computes the
+    swarm's state from its own and those updates, bit-identical (its hash is the published one), for fewer bytes:
+    fp16 averages travel as fp16 (3 rounds: 6 bytes per parameter, the state is 8), fp32 ones as fp32 (1 round)."""
+    donor, newcomer = peers(), peers()
+    numel = sum(p.numel() for p in donor.outer.params)
+    donor.advance(1)
+    assert asyncio.run(newcomer.sync.sync(donor.target())).rounds == 0  # a download: the donor logs what follows
+    _fp16_rounds(donor, rounds=3)
+    result = asyncio.run(newcomer.sync.sync(donor.target()))
+    assert result.ok and result.rounds == 3 and len(donor.served) == 1, result
+    assert 6 * numel <= result.bytes < 6.3 * numel, (result.bytes, numel)
+    assert newcomer.outer.epoch == 4 and newcomer.sync.state_hash == donor.sync.state_hash == newcomer.sync._own_hash()
+    assert param_sha256(newcomer.outer.momentum_buffers()) == param_sha256(donor.outer.momentum_buffers())
+    assert param_sha256(newcomer.outer.model.parameters()) == param_sha256(donor.outer.params)
+    donor.averager.averager.served.spill_to(tmp_path, 0)  # a big state: the log goes to files
+    donor.advance(1)  # fp32: one round is half the state
+    assert sorted(p.name.split("-")[-1] for p in tmp_path.glob("round-*.bin")) == ["5.bin"]
+    result = asyncio.run(newcomer.sync.sync(donor.target()))
+    assert result.ok and result.rounds == 1 and 4 * numel <= result.bytes < 4.2 * numel, result
+    assert newcomer.sync.state_hash == donor.sync.state_hash == newcomer.sync._own_hash()
+    donor.advance(2)  # two fp32 rounds weigh as much as the state: it is downloaded instead
+    result = asyncio.run(newcomer.sync.sync(donor.target()))
+    assert result.ok and result.rounds == 0 and len(donor.served) == 2, result
+    assert newcomer.sync.state_hash == donor.sync.state_hash
+
+
+def test_rounds_are_logged_only_for_a_peer_likely_behind_and_never_replayed_onto_another_state(peers, monkeypatch):
+    """Nothing is logged without a download in flight or begun within two rounds (at least ``MIN_WINDOW``), and
+    a log is dropped once nobody downloads; a peer whose state is not the one the logged rounds start from (here:
+    a step of its own) downloads the state."""
+    donor, newcomer, other = peers(), peers(), peers()
+    donor.advance(1)
+    assert asyncio.run(newcomer.sync.sync(donor.target())).ok and asyncio.run(other.sync.sync(donor.target())).ok
+    other.advance(1)  # its own step: the log of the donor's next round does not start from its state
+    _fp16_rounds(donor)
+    assert donor.sync.log.logged == 1
+    result = asyncio.run(other.sync.sync(donor.target()))
+    assert result.ok and result.rounds == 0 and len(donor.served) == 3, result  # the state, downloaded
+    later = time.time() + round_log.MIN_WINDOW + 1  # no download since: after a round that long (the download
+    monkeypatch.setattr(round_log, "time", SimpleNamespace(time=lambda: later))  # began within two), not logged
+    _fp16_rounds(donor, rounds=2)
+    assert donor.sync.log.logged == 0  # nobody downloading: dropped, in the averager process too
+    result = asyncio.run(newcomer.sync.sync(donor.target()))
+    assert result.ok and result.rounds == 0 and newcomer.sync.state_hash == donor.sync.state_hash, result
+
+
 def test_bad_donors_are_skipped_and_the_next_one_tried(peers):
     good, declining, newcomer = peers(), peers(), peers()
     good.advance(2)
@@ -216,6 +274,7 @@ def test_a_momentum_off_the_host_is_downloaded_into_a_file_and_resumed_there(pee
     monkeypatch.setattr(state_sync.random, "shuffle", lambda donors: None)  # the breaking donor is tried first
     result = asyncio.run(newcomer.sync.sync(Target(2, good.sync.state_hash, [breaking.id, good.id])))
     assert result.ok and result.donor == good.id and result.attempts == 2, result
+    made = [(path, ref) for path, ref in made if "rounds" not in path.name]  # (not the replay's: nothing logged)
     assert [path.parent for path, _ in made] == [tmp_path]
     assert newcomer.sync.state_hash == good.sync.state_hash == newcomer.sync._own_hash()
     assert param_sha256(newcomer.outer.momentum_buffers()) == param_sha256(good.outer.momentum_buffers())

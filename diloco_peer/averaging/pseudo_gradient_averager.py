@@ -40,7 +40,7 @@ from ..swarm.admission import Admission
 from ..swarm.p2pd_internals import until_the_caller_hangs_up
 from ..training.outer_optimizer import flat_tensors
 from . import hivemind_internals as internals
-from . import state_transfer
+from . import round_log, state_transfer
 from .allreduce import FAILED_VALUES, TRANSFER_US, ExactAllReduceRunner
 from .group_bans import left_out
 from .robust_aggregation import BanList, Limits, capped_bandwidths
@@ -80,6 +80,11 @@ class PseudoGradientAverager(DecentralizedAverager):
         """The host's side of those downloads: ``state_provider`` opens one, an outer step freezes them."""
         self.frozen_serves: dict[int, tuple] = {}
         """In the averager process: slot -> (generation, start, copies) for downloads whose state changed."""
+        self.round_log: dict[int, tuple[str, list]] = {}
+        """In the averager process: epoch -> (state hash before, update) of the rounds logged for a peer that is
+        behind (``averaging/round_log.py``); the host sends them."""
+        self.replayed_at = torch.zeros(1, dtype=torch.float64).share_memory_()
+        """``time.time()`` of the last download of logged rounds we served, shared with the host."""
         self.traffic = torch.zeros(5, dtype=torch.int64).share_memory_()
         self.state_provider = None
         self.limits, self.admission, self.progress_key, self.faults = limits, admission, progress_key, faults
@@ -216,7 +221,19 @@ class PseudoGradientAverager(DecentralizedAverager):
         async for message in self._serve_state(context, start):
             yield message
 
-    async def _serve_state(self, context: P2PContext, start: int) -> AsyncIterator[averaging_pb2.DownloadData]:
+    async def rpc_download_rounds(self, request: averaging_pb2.DownloadData,
+                                  context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """The rounds we logged after the state the request names (``averaging/round_log.py``): the updates that take a
+        peer one or a few rounds behind to our state, instead of the whole state."""
+        if await self._refuses_download(context) or not self.allow_state_sharing:
+            return
+        async for message in round_log.serve(self, request.metadata):
+            yield message
+
+    async def _keep_round(self, epoch: int, state_hash: str, update: list | None, keep: int) -> None:
+        round_log.keep(self, epoch, state_hash, update, keep)
+
+    async def _refuses_download(self, context: P2PContext) -> bool:
         peer = context.remote_id.to_base58()
         why = "banned" if self.bans.is_banned(peer) else self.admission.refuses(peer, None)
         if not why and self.admission.secret is not None and self.progress_key:
@@ -226,6 +243,10 @@ class PseudoGradientAverager(DecentralizedAverager):
             why = "" if peer in holders else f"peer {peer} has no progress record in the swarm's DHT"
         if why:
             logger.warning(f"refused to serve our state to {peer}: {why}")
+        return bool(why)
+
+    async def _serve_state(self, context: P2PContext, start: int) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if await self._refuses_download(context):
             return
         await self.faults.delay_serving()  # fault injection: a slow donor
         if not self.allow_state_sharing:

@@ -120,8 +120,8 @@ class SpilledTensor:
         return self.file[self.index]
 
     def copy_(self, tensor: torch.Tensor) -> SpilledTensor:
-        """Written to the file (a download landing in it); the item stays the file's."""
-        self.file.store(self.index, tensor)
+        """Written to the file (a download landing in it), in the file's dtype; the item stays the file's."""
+        self.file.store(self.index, tensor.to(self.dtype))
         return self
 
     def to(self, *args, **kwargs) -> torch.Tensor:

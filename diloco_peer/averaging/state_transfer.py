@@ -249,21 +249,19 @@ def keep_frozen(averager, slot: int, generation: int, start: int, copies: list[t
 
 
 async def download(averager, donor: str, timeout: float, into: list[torch.Tensor] | None = None,
-                   resume: torch.Tensor | None = None, expected: str = "") -> tuple[dict, list[torch.Tensor], int]:
+                   resume: torch.Tensor | None = None, expected: str = "", rounds: dict | None = None
+                   ) -> tuple[dict, list[torch.Tensor], int]:
     """In the averager process: ``donor``'s state as (metadata, tensors, bytes received); the tensors that have our
     state's shapes lie in one shared-memory buffer, ``into`` if given (items of a file: ``state_files.staging_for``).
     ``timeout`` bounds the wait for each chunk. ``resume`` (a shared int64 counter, with ``into`` and ``expected``):
     the donor is asked for the tensors from ``resume[0]`` on only (the earlier ones are in ``into`` already,
     checked); each tensor that arrives matching the digest the donor lists for it moves the counter on, if that
     list hashes to ``expected`` (the state the swarm publishes, ``model.state_digest``). A download broken off then
-    resumes there, from another donor."""
+    resumes there, from another donor. ``rounds``: the donor's logged rounds after our state instead (the request
+    of ``round_log.replay``), into ``into`` (fp32; the donor may send them as fp16 or bf16, widened exactly)."""
     start = int(resume[0]) if resume is not None and into is not None else 0
-    stub = averager.get_stub(internals.p2p_of(averager), PeerID.from_base58(donor), namespace=averager.prefix)
-    if start:
-        request = averaging_pb2.DownloadData(metadata=averager.serializer.dumps({"start": start}))
-        stream = await asyncio.wait_for(stub.rpc_download_state_from(request), timeout)
-    else:
-        stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
+    stream = await asyncio.wait_for(_request(averager, donor, start, rounds), timeout)
+    widen = (torch.float32,) if rounds is None else (torch.float32, torch.float16, torch.bfloat16)
     staging = into if into is not None else flat_tensors([t.shape for t in averager.inputs] * 2, shared=True)
     metadata, tensors, parts, received, digests = None, list(staging[:start]), [], 0, None
 
@@ -273,7 +271,7 @@ async def download(averager, donor: str, timeout: float, into: list[torch.Tensor
                                f"{len(parts)} of {parts[0].chunks} chunks")
         tensor = deserialize(combine_from_streaming(parts))
         index = len(tensors)
-        if index < len(staging) and tensor.shape == staging[index].shape and tensor.dtype == torch.float32:
+        if index < len(staging) and tensor.shape == staging[index].shape and tensor.dtype in widen:
             listed = digests is not None and int(resume[0]) == index and param_sha256([tensor]) == digests[index]
             tensor = staging[index].copy_(tensor)  # (a file's item: written there, and the item comes back)
             if listed:
@@ -308,6 +306,17 @@ async def download(averager, donor: str, timeout: float, into: list[torch.Tensor
     if metadata is None:
         raise RuntimeError("the donor declined to share its state")
     return metadata, tensors, received
+
+
+def _request(averager, donor: str, start: int, rounds: dict | None):
+    """The call that opens ``download``'s stream: the whole state, its rest from ``start``, or logged ``rounds``."""
+    stub = averager.get_stub(internals.p2p_of(averager), PeerID.from_base58(donor), namespace=averager.prefix)
+    if rounds is not None:
+        return stub.rpc_download_rounds(averaging_pb2.DownloadData(metadata=averager.serializer.dumps(rounds)))
+    if start:
+        request = averaging_pb2.DownloadData(metadata=averager.serializer.dumps({"start": start}))
+        return stub.rpc_download_state_from(request)
+    return stub.rpc_download_state(averaging_pb2.DownloadRequest())
 
 
 def _listed(metadata, expected: str, count: int) -> list[str] | None:

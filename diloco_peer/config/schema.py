@@ -239,6 +239,11 @@ class AveragingConfig(_Section):
     """State sync: seconds to wait for each chunk of a state download before trying another donor."""
     sync_attempts: int = Field(3, ge=1)
     """State sync: donors to try (one after the other) before giving up until the next round."""
+    log_rounds: int = Field(4, ge=0, le=64)
+    """Rounds whose updates a peer keeps while a peer downloads its state (and for two rounds after), so that a peer
+    that many rounds behind catches up with them instead of the whole state (``averaging/round_log.py``): a joiner
+    whose download outlasts rounds. In memory within ``serve_copy_in_memory_mb`` in all, else in files beside the
+    served copies. 0: none kept (a peer behind always downloads the state)."""
     serve_copy_in_memory_mb: float = Field(64.0, ge=0)
     """Serving our state: an outer step during a peer's download first copies what that download has not read
     yet, so that it still gets one whole state. Up to this many MB the copy is kept in memory; a bigger one is

@@ -11,6 +11,7 @@ never exited (issue 15: 13 minutes, until SIGKILL).
 ``call`` runs the function in a thread of its own, marked daemon, that nobody joins: the caller stops waiting
 after ``timeout`` (``TimeoutError``) and a call that can no longer finish is abandoned with the process, never
 waited for. Use it for every call into hivemind's processes; plain CPU or disk work keeps ``asyncio.to_thread``.
+``unless_stopped`` gives up such a wait at once when the peer is asked to leave (a state download in flight).
 """
 
 from __future__ import annotations
@@ -52,3 +53,14 @@ async def call(fn: Callable[..., Any], *args, timeout: float | None = None, **kw
 
     threading.Thread(target=run, name=f"hivemind-{getattr(fn, '__name__', 'call')}", daemon=True).start()
     return await asyncio.wait_for(future, timeout)
+
+
+async def unless_stopped(download, should_stop: Callable[[], bool], poll: float = 0.5):
+    """``await download``, unless ``should_stop()`` turns true first: then it is cancelled (``CancelledError``)."""
+    task = asyncio.ensure_future(download)
+    while not task.done():
+        if should_stop():
+            task.cancel()
+            raise asyncio.CancelledError()
+        await asyncio.wait({task}, timeout=poll)
+    return task.result()

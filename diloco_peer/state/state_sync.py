@@ -10,14 +10,13 @@ reached, never what one peer claims) and, at that epoch, the hash most of its vo
 smallest hash, so every peer picks the same one). A peer whose (epoch, hash) differs from the target syncs;
 peers holding the target serve it.
 
-Known limit of the hash rule: peers that averaged together hold the same hash, so a liar cannot outvote
-them. Right after a failed all-reduce, though, every peer may hold a state of its own; the tie then goes
-to the smallest hash so that honest peers reconverge, and a liar that publishes a state at that epoch
-with a hash it ground to be small wins it. Keeping our own state on a tie instead would leave honest
-replicas apart for good after every failed round.
+Known limit of the hash rule: peers that averaged together hold the same hash, so a liar cannot outvote them. Right
+after a failed all-reduce, though, every peer may hold a state of its own; the tie then goes to the smallest hash so
+that honest peers reconverge, and a liar that publishes a state at that epoch with a hash it ground to be small wins
+it. Keeping our own state on a tie instead would leave honest replicas apart for good after every failed round.
 
-What is transferred: outer weights and Nesterov momentum (fp32), the outer epoch and the inner
-LR-schedule position. The inner AdamW moments stay local (they describe this peer's own shard).
+What is transferred: outer weights and Nesterov momentum (fp32), the outer epoch and the inner LR-schedule
+position. The inner AdamW moments stay local (they describe this peer's own shard).
 
 Download: donors are the peers that hold the target, in random order (newcomers spread over donors instead of all
 hitting one); each chunk must arrive within ``averaging.sync_timeout`` or the next donor is tried, up to
@@ -30,9 +29,10 @@ with poisoned momentum fails it like one serving corrupt weights. Its epoch must
 a claim of the donor's): a donor that serves another epoch than the one it published is refused too. A donor
 failing any check is skipped and the next one tried; each failure is reported (``SyncResult.donor_errors``).
 
-Fault injection (tests only, ``config/faults.py``): ``corrupt_state`` serves weights off by 1e-3 (finite,
-plausible, not what the peer published), ``corrupt_state:nan`` serves NaN weights; ``lie_epoch:N`` serves
-the state under epoch N (its records claim N too, ``progress.py``).
+A peer at most ``averaging.log_rounds`` rounds behind first asks a donor for the updates of those rounds (logged while
+someone downloads) and computes the state from ours: the same checks, fewer bytes (``averaging/round_log.py``).
+Fault injection (tests only, ``config/faults.py``): ``corrupt_state`` serves weights off by 1e-3 (finite, plausible,
+not what the peer published), ``corrupt_state:nan`` NaN weights; ``lie_epoch:N`` the state under epoch N.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from ..averaging import round_log
 from ..averaging.pseudo_gradient_averager import PseudoGradientAverager
 from ..averaging.state_files import SpilledTensor, staging_for
 from ..averaging.state_transfer import DIGESTS
@@ -113,6 +114,8 @@ class SyncResult:
     """Why each donor that was tried failed, in order (a later donor may still have succeeded)."""
     rejected: list[str] = field(default_factory=list)
     """Donors (peer ids) whose state failed the checks: what they publish does not hold."""
+    rounds: int = 0
+    """Rounds caught up with the updates a donor logged, instead of downloading the state (``round_log``)."""
     moved_on: bool = False
     """A donor sent a later epoch than the target: the swarm stepped on while we looked (ask for a new target)."""
     later: tuple | None = field(default=None, repr=False)
@@ -155,6 +158,8 @@ class StateSync:
             averager.served.spill_to(spill_dir, int(cfg.serve_copy_in_memory_mb * 2**20))
         self.state_hash = self._own_hash()
         averager.state_provider = self._current_state
+        self.log = round_log.RoundLog(averager, cfg.log_rounds)
+        outer.on_step.append(lambda update: self.log.record(outer.epoch, self.state_hash, update))
         self.behind: list[tuple[int, float]] = []
         """(epoch, seconds) of each sync since our last outer step (``FALLING_BEHIND``)."""
 
@@ -170,8 +175,7 @@ class StateSync:
         self.behind.clear()  # a round of our own: we keep up
 
     def _count_behind(self, result: SyncResult) -> None:
-        """One more sync without a round of our own (if it succeeded); at ``FALLING_BEHIND`` in a row, say why
-        that goes on."""
+        """One more sync without a round of our own (if it succeeded); at ``FALLING_BEHIND`` in a row, say why."""
         if result.ok:
             self.behind.append((result.epoch, result.seconds))
         if not result.ok or len(self.behind) != FALLING_BEHIND:
@@ -179,8 +183,8 @@ class StateSync:
         first, last = self.behind[0][0], self.behind[-1][0]
         seconds = ", ".join(f"{s:.1f}" for _, s in self.behind)
         logger.warning(f"state sync: {len(self.behind)} syncs in a row with no round of our own between them (the "
-                       f"swarm went from epoch {first} to {last} meanwhile; downloads of {seconds} s): its rounds "
-                       f"end faster than this peer downloads its state, so it arrives one epoch late each time (or "
+                       f"swarm went from epoch {first} to {last} meanwhile; syncs of {seconds} s): its rounds end "
+                       f"faster than this peer downloads its state or their updates, so it arrives late each time (or "
                        f"our rounds keep failing: see above). A faster link, or longer rounds for the whole swarm "
                        f"(a larger outer.inner_steps), would let it catch up")
 
@@ -201,6 +205,7 @@ class StateSync:
         lie = self.faults.lie_epoch  # fault injection: serve our state under another epoch
         if lie is not None:
             metadata.update(epoch=lie, inner_step=lie * self.inner_steps)
+        self.log.served_at = time.time()  # the next rounds are logged for this peer (``round_log``)
         if self.on_serve is not None:
             self.on_serve(metadata["epoch"], sum(t.numel() * t.element_size() for t in live))
         return metadata, tensors
@@ -287,7 +292,7 @@ class StateSync:
         earlier donors and matched the digests listed for ``target`` (the averager process moves it on)."""
         if int(resume[0]):
             logger.info(f"state sync: resuming at tensor {int(resume[0])} of {len(staging)} from {donor[-8:]}")
-        metadata, tensors, received = await _unless_stopped(hivemind_calls.call(
+        metadata, tensors, received = await hivemind_calls.unless_stopped(hivemind_calls.call(
             self.averager.download_state_from, donor, self.cfg.sync_timeout, into=staging, resume=resume,
             expected=target.state_hash), should_stop)
         # a staging file's items come back as copies of ours: ours, whose file lives as long as they are referenced
@@ -319,11 +324,11 @@ class StateSync:
             return result
         later = None
         self.averager.allow_state_sharing = False  # nobody should download from us while we are behind
-        queue = list(donors)
         # kept across donors: a download broken off resumes where it was, from the next donor
         staging = staging_for(self.outer.params, self.outer.momentum_views, self.averager.served.spill_dir)
         resume = torch.zeros(1, dtype=torch.int64).share_memory_()
         try:
+            queue = [] if await self._replay(target, donors, result) else list(donors)
             while queue and result.attempts < self.cfg.sync_attempts and not should_stop():
                 donor = queue.pop(0)
                 result.attempts += 1
@@ -358,6 +363,16 @@ class StateSync:
         self._count_behind(result)
         return result
 
+    async def _replay(self, target: Target, donors: list[str], result: SyncResult) -> bool:
+        """Catch up with the rounds a donor logged since our state (``round_log.replay``), if it has them."""
+        replayed = await round_log.replay(self.averager, self.outer, self.state_hash, target, self.inner_steps,
+                                          self.cfg.sync_timeout, donors, self.cfg.log_rounds)
+        if replayed is None:
+            return False
+        result.rounds, (result.donor, state, digests, result.bytes) = target.epoch - self.outer.epoch, replayed
+        await self._load(state, target, digests)
+        result.ok, result.epoch, result.attempts = True, target.epoch, 1
+        return True
 
     async def _load(self, tensors: list[torch.Tensor], target: Target, digests: list[str]) -> None:
         """Make a checked state ours: weights, momentum and epoch, in place, under ``lock``."""
@@ -380,14 +395,3 @@ class StateSync:
         result.ok, result.donor, result.epoch = True, donor, target.epoch
         logger.info(f"state sync: the state of epoch {epoch} that {donor[-8:]} sent is the swarm's now: taken")
         return True
-
-
-async def _unless_stopped(download, should_stop: Callable[[], bool], poll: float = 0.5):
-    """``await download``, unless ``should_stop()`` turns true first: then it is cancelled (``CancelledError``)."""
-    task = asyncio.ensure_future(download)
-    while not task.done():
-        if should_stop():
-            task.cancel()
-            raise asyncio.CancelledError()
-        await asyncio.wait({task}, timeout=poll)
-    return task.result()

@@ -259,6 +259,9 @@ def _state_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
     p, largest = shape.parameters * FP32, shape.largest * FP32
     # a bigger copy goes to a file (the page cache), read back a tensor at a time by the averager process
     serve_copy = min(2 * p, int(cfg.averaging.serve_copy_in_memory_mb * 2**20))
+    # the rounds kept for a peer that is behind: in memory if they all fit the same limit, else in files
+    logged = p * cfg.averaging.log_rounds
+    logged = logged if logged <= cfg.averaging.serve_copy_in_memory_mb * 2**20 else 0
     return [
         # written from the live tensors; a GPU peer's AdamW state reaches the file through the host, a tensor at a time
         _row("checkpoint: one GPU tensor on its way to the file", "state/checkpoint.py write_atomically "
@@ -272,6 +275,10 @@ def _state_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
              "averaging.serve_copy_in_memory_mb, else to a file)",
              "averaging/state_transfer.py ServedStates.freeze (OuterOptimizer.before_change)", "serve_change",
              cpu=serve_copy, gpu_host=serve_copy),
+        _row("round log: the updates of the last averaging.log_rounds rounds, kept while a peer downloads our state "
+             "(in memory if they fit averaging.serve_copy_in_memory_mb, else files)",
+             "averaging/round_log.py RoundLog.record (OuterOptimizer.on_step)", "serve_change", cpu=logged,
+             gpu_host=logged),
         # one shared-memory buffer for the whole sync (a broken download resumes into it), which the averager
         # process fills; checked, copied into our state in place, then freed (not kept by either process's heap)
         # (a GPU peer with its momentum on the GPU stages the momentum half in a file: state_files.staging_for)

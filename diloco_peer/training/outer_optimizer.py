@@ -79,6 +79,19 @@ def _libc():
     return libc
 
 
+@torch.no_grad()
+def step_tensor(outer: torch.Tensor, buf: torch.Tensor, grad: torch.Tensor, lr: float, momentum: float,
+                nesterov: bool) -> None:
+    """One tensor's outer step, in place: ``buf`` (the momentum) and ``outer`` (the weights) move by ``grad``. The
+    one definition of the step's arithmetic: ``OuterOptimizer.step`` and a replay of logged rounds
+    (``averaging/round_log.py``) must give the same bits."""
+    g = grad.to(buf.device, torch.float32)  # computed where the momentum lives, one tensor at a time
+    if momentum:
+        buf.mul_(momentum).add_(g)
+        g = buf * momentum + g if nesterov else buf  # (two operations, each rounded: see the module's doc)
+    outer.sub_((g * lr).to(outer.device))
+
+
 class OuterOptimizer:
     """Outer weights (fp32, CPU) of a replica and the SGD optimizer that moves them.
 
@@ -110,6 +123,9 @@ class OuterOptimizer:
         """Called before the weights, momentum or epoch change (readers that must see them unchanged)."""
         self.after_change: list[Callable[[], None]] = []
         """Called after they changed (e.g. the round's buffers, consumed now, give their memory back)."""
+        self.on_step: list[Callable[[list[torch.Tensor]], None]] = []
+        """Called with the update of each ``step`` before it is applied (``averaging/round_log.py`` keeps it for a peer
+        that is one round behind)."""
 
     @property
     def momentum_views(self) -> list[torch.Tensor]:
@@ -142,14 +158,11 @@ class OuterOptimizer:
     @torch.no_grad()
     def step(self, averaged_pseudo_gradient: list[torch.Tensor]) -> None:
         """Apply one outer step with the (averaged) pseudo-gradient and load the result into the replica."""
+        for hook in list(self.on_step):
+            hook(averaged_pseudo_gradient)
         self._changing()
-        m, lr = self.momentum, self.lr
         for outer, grad, buf in zip(self.params, averaged_pseudo_gradient, self._momentum):
-            g = grad.to(buf.device, torch.float32)  # computed where the momentum lives, one tensor at a time
-            if m:
-                buf.mul_(m).add_(g)
-                g = buf * m + g if self.nesterov else buf  # (two operations, each rounded: see the module's doc)
-            outer.sub_((g * lr).to(outer.device))
+            step_tensor(outer, buf, grad, self.lr, self.momentum, self.nesterov)
         self.epoch += 1
         self.load_into_model()
         self._changed()
