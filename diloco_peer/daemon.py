@@ -268,6 +268,8 @@ class PeerDaemon:
             if self.averager is not None:
                 await hivemind_calls.call(self.averager.shutdown, timeout=CHILD_SHUTDOWN_TIMEOUT)
             await hivemind_calls.call(dht.shutdown, timeout=CHILD_SHUTDOWN_TIMEOUT)
+        if self.sync is not None:
+            self.sync.log.remove_files()  # rounds kept for peers behind us: nobody downloads them any more
         logger.info(f"left the swarm in {time.monotonic() - leaving:.1f}s")
         if self.events is not None:
             self.events.close()

@@ -175,6 +175,7 @@ def test_a_donor_stepping_during_a_download_serves_the_state_it_started_with(pee
     if spill:
         (tmp_path / "serve-1-2-3.bin").write_bytes(b"left by a killed process")
         (tmp_path / "download-1-2.bin").write_bytes(b"left by a process killed while downloading")
+        (tmp_path / "round-1-2.bin").write_bytes(b"a round kept by a process killed while serving")
         averager.served.spill_to(tmp_path, 0)
         assert not list(tmp_path.iterdir())
         write = state_transfer.SpilledTensors.write

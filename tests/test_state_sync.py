@@ -199,16 +199,20 @@ def test_a_peer_rounds_behind_catches_up_with_their_logged_updates_not_the_state
     result = asyncio.run(newcomer.sync.sync(donor.target()))
     assert result.ok and result.rounds == 1 and 4 * numel <= result.bytes < 4.2 * numel, result
     assert newcomer.sync.state_hash == donor.sync.state_hash == newcomer.sync._own_hash()
+    donor.sync.log.remove_files()  # (as the daemon does when it leaves)
+    assert not list(tmp_path.glob("round-*.bin"))
     donor.advance(2)  # two fp32 rounds weigh as much as the state: it is downloaded instead
     result = asyncio.run(newcomer.sync.sync(donor.target()))
     assert result.ok and result.rounds == 0 and len(donor.served) == 2, result
     assert newcomer.sync.state_hash == donor.sync.state_hash
 
 
-def test_rounds_are_logged_only_for_a_peer_likely_behind_and_never_replayed_onto_another_state(peers, monkeypatch):
+def test_rounds_are_logged_only_for_a_peer_likely_behind_and_never_replayed_onto_another_state(peers, monkeypatch,
+                                                                                               caplog):
     """Nothing is logged without a download in flight or begun within two rounds (at least ``MIN_WINDOW``), and
     a log is dropped once nobody downloads; a peer whose state is not the one the logged rounds start from (here:
     a step of its own) downloads the state."""
+    caplog.set_level("INFO", logger=round_log.__name__)
     donor, newcomer, other = peers(), peers(), peers()
     donor.advance(1)
     assert asyncio.run(newcomer.sync.sync(donor.target())).ok and asyncio.run(other.sync.sync(donor.target())).ok
@@ -223,6 +227,8 @@ def test_rounds_are_logged_only_for_a_peer_likely_behind_and_never_replayed_onto
     assert donor.sync.log.logged == 0  # nobody downloading: dropped, in the averager process too
     result = asyncio.run(newcomer.sync.sync(donor.target()))
     assert result.ok and result.rounds == 0 and newcomer.sync.state_hash == donor.sync.state_hash, result
+    # a donor with nothing to send says so (an empty list of epochs), no error on either side
+    assert not [r.getMessage() for r in caplog.records if "no rounds from" in r.getMessage()]
 
 
 def test_bad_donors_are_skipped_and_the_next_one_tried(peers):

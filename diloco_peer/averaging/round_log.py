@@ -66,6 +66,12 @@ class RoundLog:
         self.logged = 0
         self._last_step, self._round = None, 0.0
 
+    def remove_files(self) -> None:
+        """Leaving: the files of the rounds kept (the averager process, which removes them as they go, has stopped)."""
+        spill = self.averager.served.spill_dir
+        for path in spill.glob(f"round-{os.getpid()}-*.bin") if spill is not None and spill.is_dir() else []:
+            path.unlink(missing_ok=True)
+
     def wanted(self, now: float) -> bool:
         """Is a peer likely to need the next round's update: a download of our state in flight, or one (or a
         replay) begun within two rounds?"""

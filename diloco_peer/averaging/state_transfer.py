@@ -82,10 +82,11 @@ class ServedStates:
     def spill_to(self, directory: Path, in_memory_limit: int) -> None:
         """Copies for a frozen download over ``in_memory_limit`` bytes go to a file in ``directory`` instead of
         memory (the directory is made when first needed; a GPU peer's downloads stage their momentum there too,
-        ``state_files.staging_for``). Files an earlier process of this peer left there (killed mid-download, either
-        way) are removed."""
+        ``state_files.staging_for``, and the round log its files, ``round_log.py``). Files an earlier process of this
+        peer left there (killed mid-download, either way) are removed."""
         if directory.is_dir():
-            for leftover in [*directory.glob("serve-*.bin"), *directory.glob("download-*.bin")]:
+            for leftover in [*directory.glob("serve-*.bin"), *directory.glob("download-*.bin"),
+                             *directory.glob("round-*.bin")]:
                 leftover.unlink(missing_ok=True)
         self.spill_dir, self.in_memory_limit = directory, in_memory_limit
 
@@ -294,6 +295,8 @@ async def download(averager, donor: str, timeout: float, into: list[torch.Tensor
                 metadata = averager.serializer.loads(message.metadata)
                 resuming = resume is not None and into is not None
                 digests = _listed(metadata, expected, len(staging)) if resuming else None
+            if not message.HasField("tensor_part"):
+                continue  # metadata alone (logged rounds: none to send)
             if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
                 tensors.append(complete(parts))
                 parts = []
