@@ -9,28 +9,27 @@ One outer round, as DiLoCo (Douillard et al. 2023) and OpenDiLoCo run it:
 4. **check**: refuse an average that is not finite or far larger than our own pseudo-gradient;
 5. **apply**: the outer Nesterov step with the average (no group: with our own, a *solo* step); evaluate.
 
-Steps 2-3 are the *exchange*. ``outer.overlap = "blocking"`` awaits it at once. The overlapped modes launch
-it in the background and go straight on training the next round; the exchange of round t is concluded (steps
-4-5) at the end of round t+1. Meanwhile the replica trains from the outer weights plus what
-``training.outer_optimizer.overlap_offset`` puts on top: ``"eager"`` the outer step this peer predicts from
-its own fresh pseudo-gradient (Kale et al. 2025's eager updates), ``"delayed"`` (DiLoCoX's one-step delay)
-its own progress as it is. The average replaces that stand-in as soon as it arrives: between two inner steps
-of round t+1 the replica moves onto where the average will put the outer weights, with the progress made since
-on top (``arrival.py``, ``outer.apply_on_arrival``; the ``round`` event's ``arrived_step`` says at which inner
-step, absent: at the round's end). The outer step itself still happens at the end of round t+1. The outer
-weights of peers that averaged together stay bit-identical in every mode; ``diloco-peer simulate --overlap
-eager`` computes the same updates (``run_diloco(arrival=...)`` for the steps the average arrived at).
+Steps 2-3 are the *exchange*. ``outer.overlap = "blocking"`` awaits it at once. The overlapped modes launch it in the
+background and go straight on training the next round; the exchange of round t is concluded (steps 4-5) at the end of
+round t+1. Meanwhile the replica trains from the outer weights plus what ``training.outer_optimizer.overlap_offset``
+puts on top: ``"eager"`` the outer step this peer predicts from its own fresh pseudo-gradient (Kale et al. 2025's eager
+updates), ``"delayed"`` (DiLoCoX's one-step delay) its own progress as it is. The average replaces that stand-in as
+soon as it arrives: between two inner steps of round t+1 the replica moves onto where the average will put the outer
+weights, with the progress made since on top (``arrival.py``, ``outer.apply_on_arrival``; the ``round`` event's
+``arrived_step`` says at which inner step, absent: at the round's end). The outer step itself still happens at the end
+of round t+1. The outer weights of peers that averaged together stay bit-identical in every mode; ``diloco-peer
+simulate --overlap eager`` computes the same updates (``run_diloco(arrival=...)``).
 
 Epochs (overlapped): after applying round t's average the outer weights are at epoch t; the record says
 ``epoch t, ready, round t+1`` while round t+1 trains (``SwarmProgress.wait_until_ready(delayed=True)``).
 
-Healing: a peer that is behind (newcomer, restart from an old checkpoint, straggler) or whose weights left
-the swarm's (a failed round, a reducer that died mid-all-reduce) downloads the swarm's state from peers that
-hold it (``state/state_sync.py``) and goes on from there; overlapped, with its own unsent progress on top (a
-*rebase*). Every gate compares the swarm's (epoch, hash) with ours: blocking syncs at once, overlapped takes
-the swarm's state at the end of that round. A failed round takes the state the *other* peers end it with
-(with two peers our own un-stepped record would otherwise make us our own target) and steps alone only if
-they have none. A newcomer synced at epoch e trains round e+1 and rebases at its end onto epoch e+1.
+Healing: a peer that is behind (newcomer, restart from an old checkpoint, straggler) or whose weights left the swarm's
+(a failed round, a reducer that died mid-all-reduce) downloads the swarm's state from peers that hold it
+(``state/state_sync.py``) and goes on from there; overlapped, with its own unsent progress on top (a *rebase*). Every
+gate compares the swarm's (epoch, hash) with ours: blocking syncs at once, overlapped takes the swarm's state at the
+end of that round. A failed round takes the state the *other* peers end it with (with two peers our own un-stepped
+record would otherwise make us our own target) and steps alone only if they have none. A newcomer synced at epoch e
+trains round e+1 and rebases at its end onto epoch e+1.
 """
 
 from __future__ import annotations
@@ -96,8 +95,7 @@ class OuterRounds:
         """State downloads begun (``catch_up``)."""
 
     async def run(self, on_round: Callable[[RoundRecord], None]) -> None:
-        """Rounds until stopped or ``run.max_rounds``; ``on_round(record)`` after each finished round (an
-        interrupted round is abandoned: a partial pseudo-gradient would skew the average)."""
+        """Rounds until stopped or ``run.max_rounds``; ``on_round(record)`` after each (one interrupted: dropped)."""
         try:
             while not self.should_stop() and not self.reached_max_rounds():
                 started = time.perf_counter()
@@ -110,8 +108,7 @@ class OuterRounds:
                 self.pending.cancel()
 
     async def _round(self) -> RoundRecord | None:
-        """One round. None if stopped, if the round was replaced by a state sync, or (delayed) if there was
-        no exchange to conclude yet (the first round after starting or syncing)."""
+        """One round. None if stopped, replaced by a state sync, or (overlapped) with no exchange to conclude yet."""
         H = self.cfg.outer.inner_steps
         start = await self._compute.run(replica_copy, self.trainer.model) if self.overlapped else None
         inner = await self._inner_steps(self.trainer.step // H if self.overlapped else self.outer.epoch, start)
@@ -354,11 +351,14 @@ class OuterRounds:
         if self.averager.in_place:  # the round's one buffer holds nothing the replica cannot give again: its 4
             self.averager.release()  # bytes per parameter go back before the download's staging buffer fills up
         result = await self.sync.sync(target, self.should_stop)
-        for _ in range(2):  # the swarm stepped on during the download: once more, for its new state
-            if not result.moved_on or self.should_stop() or not self.sync.needs_sync(
+        for _ in range(3):  # the swarm stepped on meanwhile: sync again (a few rounds: their updates, round_log.py)
+            if not (result.moved_on or result.ok) or self.should_stop() or not self.sync.needs_sync(
                     target := swarm_target(await self.progress.swarm_records())):
                 break
-            result = (await self.sync.sync(target, self.should_stop, reuse=result)).after(result)
+            retry = await self.sync.sync(target, self.should_stop, reuse=result, count=False)
+            if result.ok and not retry.ok:
+                break  # we hold the state the first one brought: the next gate tries again
+            result = retry.after(result)
         self.events.write("sync", peer=self.name, reason=why, donor=result.donor, epoch=result.epoch,
                           seconds=result.seconds, bytes=result.bytes, attempts=result.attempts, ok=result.ok,
                           error=result.error, donor_errors=result.donor_errors, rounds=result.rounds)

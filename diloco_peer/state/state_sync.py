@@ -127,6 +127,7 @@ class SyncResult:
         self.seconds += earlier.seconds
         self.bytes += earlier.bytes
         self.attempts += earlier.attempts
+        self.rounds += earlier.rounds
         self.donor_errors[:0] = earlier.donor_errors
         self.rejected[:0] = earlier.rejected
         return self
@@ -174,12 +175,12 @@ class StateSync:
         self.state_hash = self._own_hash()
         self.behind.clear()  # a round of our own: we keep up
 
-    def _count_behind(self, result: SyncResult) -> None:
+    def _count_behind(self, result: SyncResult, count: bool = True) -> SyncResult:
         """One more sync without a round of our own (if it succeeded); at ``FALLING_BEHIND`` in a row, say why."""
-        if result.ok:
+        if result.ok and count:
             self.behind.append((result.epoch, result.seconds))
-        if not result.ok or len(self.behind) != FALLING_BEHIND:
-            return
+        if not result.ok or not count or len(self.behind) != FALLING_BEHIND:
+            return result
         first, last = self.behind[0][0], self.behind[-1][0]
         seconds = ", ".join(f"{s:.1f}" for _, s in self.behind)
         logger.warning(f"state sync: {len(self.behind)} syncs in a row with no round of our own between them (the "
@@ -187,6 +188,7 @@ class StateSync:
                        f"faster than this peer downloads its state or their updates, so it arrives late each time (or "
                        f"our rounds keep failing: see above). A faster link, or longer rounds for the whole swarm "
                        f"(a larger outer.inner_steps), would let it catch up")
+        return result
 
     def _current_state(self):
         # hivemind calls this in a thread of ours when a peer downloads our state: the live tensors (in shared
@@ -303,10 +305,11 @@ class StateSync:
         return metadata, tensors, received
 
     async def sync(self, target: Target, should_stop: Callable[[], bool] = lambda: False,
-                   reuse: SyncResult | None = None) -> SyncResult:
+                   reuse: SyncResult | None = None, count: bool = True) -> SyncResult:
         """Download ``target`` from one of its holders and make it ours; never raises. Gives up at once (the
         download in flight abandoned) when ``should_stop()``: a peer asked to leave does not finish a sync.
-        ``reuse``: an earlier result whose donor had stepped on: what it sent is taken if it is ``target``."""
+        ``reuse``: an earlier result whose donor had stepped on: what it sent is taken if it is ``target``. ``count``
+        off: a retry within one catch-up, not one more sync for ``FALLING_BEHIND``."""
         started = time.perf_counter()
         me = self.averager.peer_id.to_base58()
         donors = [p for p in target.holders if p != me]
@@ -320,8 +323,7 @@ class StateSync:
             return result
         if later is not None and await self._take(later, target, result):
             result.seconds = time.perf_counter() - started
-            self._count_behind(result)
-            return result
+            return self._count_behind(result, count)
         later = None
         self.averager.allow_state_sharing = False  # nobody should download from us while we are behind
         # kept across donors: a download broken off resumes where it was, from the next donor
@@ -360,8 +362,7 @@ class StateSync:
         finally:
             self.averager.allow_state_sharing = True
             result.seconds = time.perf_counter() - started
-        self._count_behind(result)
-        return result
+        return self._count_behind(result, count)
 
     async def _replay(self, target: Target, donors: list[str], result: SyncResult) -> bool:
         """Catch up with the rounds a donor logged since our state (``round_log.replay``), if it has them."""
