@@ -1,7 +1,7 @@
 """Benchmark: a joiner whose state download outlasts the swarm's rounds, with and without the round log.
 
-    sudo .venv/bin/python bench/catch_up.py --quick      # tiny model, 1 Mbit/s, fp16: ~4 minutes
-    sudo .venv/bin/python bench/catch_up.py --mbit 2 --inner-steps 300 --seconds 240
+    sudo .venv/bin/python bench/catch_up.py              # tiny model, 1 Mbit/s, fp16, H=1000: ~6 minutes
+    sudo .venv/bin/python bench/catch_up.py --mbit 2 --inner-steps 500 --seconds 240
 
 Two network namespaces joined by ``tc tbf`` links of ``--mbit`` each way (``tools/netbed.SlowNetwork``, as the
 state-sync benchmark). Two donors (with the bootstrap node beside them) average together in the first, over its
@@ -95,9 +95,8 @@ def _wait(condition, procs: list[subprocess.Popen], timeout: float) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mbit", type=float, default=1.0, help="each link's rate each way, Mbit/s, e.g. 1")
-    parser.add_argument("--inner-steps", type=int, default=400, help="H: the donor's rounds, e.g. 400")
+    parser.add_argument("--inner-steps", type=int, default=1000, help="H: the donors' rounds, e.g. 1000")
     parser.add_argument("--seconds", type=float, default=150.0, help="how long the joiner runs, e.g. 150")
-    parser.add_argument("--quick", action="store_true", help="the defaults")
     parser.add_argument("--json", type=Path, help="write both runs' records there")
     args = parser.parse_args()
     why = available()
