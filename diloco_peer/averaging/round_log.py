@@ -64,6 +64,7 @@ class RoundLog:
         self.served_at = -math.inf
         """``time.time()`` when a download of our state last began (``StateSync`` sets it)."""
         self.logged = 0
+        """Rounds logged since the log last started (0: nothing kept)."""
         self._last_step, self._round = None, 0.0
 
     def remove_files(self) -> None:
@@ -96,7 +97,7 @@ class RoundLog:
         served = self.averager.served
         size = sum(t.numel() * 4 for t in update)
         big = served.spill_dir is not None and size * self.keep > served.in_memory_limit
-        path = served.spill_dir / f"round-{os.getpid()}-{epoch + 1}.bin" if big else None
+        path = served.spill_dir / f"round-{os.getpid()}-{epoch + 1}-{self.logged}.bin" if big else None
         copies = served._copy_out(update, path, "a round's update, kept for a peer that is behind")
         internals.send_to_averager_process(self.averager, "_keep_round", epoch + 1, state_hash, copies, self.keep)
 
