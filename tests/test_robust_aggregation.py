@@ -326,12 +326,20 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
     # the honest replicas are identical: all three after the last round; or p0 sat that round out (a group the
     # attacker led: p0 refuses a banned leader) and stepped alone, because the others had left the swarm (their
     # last round) by the time it looked for the state they ended it with (seen in CI). Then the two that averaged
-    # it are identical, and all three were the round before.
+    # it are identical, and all three were after the last round they all averaged.
     # (a partial round re-syncs before its record: its hash is the swarm's too)
     averaged = {name: r["param_sha256"] for name, r in last.items() if r["outcome"] in ("averaged", "partial")}
     assert len(averaged) >= 2 and len(set(averaged.values())) == 1, last
     if len(averaged) < len(last):
-        assert set(last) - set(averaged) == {"p0"} and "could not find a group" in last["p0"]["error"], last
-        assert len({seen[name][-2]["param_sha256"] for name in last}) == 1, seen
+        assert set(last) - set(averaged) == {"p0"}, last
+        # the rounds p0 sat out: groups it could not find (the attacker led them, or the others' gate went on while
+        # p0 was still in the round before: seen in CI, two rounds out), or a solo step once the others had left
+        missed = [r for r in seen["p0"] if r["outcome"] not in ("averaged", "partial")]
+        assert all("could not find a group" in r["error"] or r["outcome"] == "solo" for r in missed), missed
+        # and all three were identical after the last round they all averaged
+        by_round = [{name: r for name in last for r in seen[name] if r["round"] == n} for n in range(1, rounds + 1)]
+        together = [hashes for hashes in by_round if len(hashes) == len(last) and
+                    all(r["outcome"] in ("averaged", "partial") for r in hashes.values())]
+        assert together and len({r["param_sha256"] for r in together[-1].values()}) == 1, seen
     loss = last[min(averaged)]["eval_loss"]
     assert loss < clean[-1] * 1.02, (loss, clean)
