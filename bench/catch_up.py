@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scale import SMALL  # noqa: E402
-from swarm_bench import CLI, ROOT  # noqa: E402
+from swarm_bench import CLI, ROOT, stop, wait_for  # noqa: E402
 
 from diloco_peer.observe.events import read_events  # noqa: E402
 from diloco_peer.tools.netbed import SlowNetwork, available  # noqa: E402
@@ -54,25 +53,19 @@ def run(args, log_rounds: int, workdir: Path) -> dict:
         try:
             start(0, ["bootstrap", "--listen", f"/ip4/{net.address(0)}/tcp/0", "--address-file", str(address_file)],
                   "bootstrap")
-            _wait(lambda: address_file.exists() and address_file.read_text().strip(), procs, 60)
+            wait_for("bootstrap address", lambda: address_file.exists() and address_file.read_text().strip(), procs,
+                     60)
             join = ["join", address_file.read_text().strip(), "--config", "tiny-cpu"]
             for i, name in [(0, "donor"), (0, "donor-b"), (1, "joiner")]:
                 if name == "joiner":
-                    _wait(lambda: _events(workdir / "donor.jsonl", "round"), procs, 300)
+                    wait_for("round of the donors", lambda: _events(workdir / "donor.jsonl", "round"), procs, 300)
                 argv = [*join, "--name", name, "--set", f"swarm.host_maddrs=['/ip4/{net.address(i)}/tcp/0']"]
                 start(i, [*argv, *(a for s in sets for a in ("--set", s))], name)
             started = time.monotonic()
             while time.monotonic() - started < args.seconds and all(p.poll() is None for p in procs):
                 time.sleep(1.0)
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop(procs)
     joiner, donor = workdir / "joiner.jsonl", workdir / "donor.jsonl"
     syncs = [{k: e.get(k) for k in ("ok", "epoch", "bytes", "seconds", "rounds")} for e in _events(joiner, "sync")]
     averaged = [e for e in _events(joiner, "round") if e["outcome"] == "averaged"]
@@ -82,14 +75,6 @@ def run(args, log_rounds: int, workdir: Path) -> dict:
             "first_contribution_seconds": first, "donor_rounds": len(donor_rounds),
             "donor_round_seconds": round(sum(e["round_seconds"] for e in donor_rounds[1:]) /
                                          max(1, len(donor_rounds) - 1), 2), "logs": str(workdir)}
-
-
-def _wait(condition, procs: list[subprocess.Popen], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:g}s (or a process exited)")
-        time.sleep(0.5)
 
 
 def main() -> int:

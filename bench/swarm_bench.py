@@ -77,14 +77,29 @@ def run_swarm(net: SlowNetwork, overrides: list[str], rounds: int, workdir: Path
                 tail = (workdir / f"peer-{i}.log").read_text()[-2000:]
                 raise RuntimeError(f"peer-{i} exited with {code}:\n{tail}")
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        stop(procs)
     return measure(workdir, net.peers, skip)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM each of ``procs`` still running, then wait for each (30 s at most, then SIGKILL)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def wait_for(what: str, condition, procs: list[subprocess.Popen], timeout: float) -> None:
+    """Poll ``condition()`` until true; raise if ``timeout`` seconds pass or one of ``procs`` exits first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            raise RuntimeError(f"no {what} within {timeout:g}s (or a process exited)")
+        time.sleep(0.5)
 
 
 def measure(workdir: Path, peers: int, skip: int = 1) -> dict:

@@ -18,17 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from results import figure, save  # noqa: E402
 from scale import MODELS, SMALL  # noqa: E402
-from swarm_bench import CLI, ROOT, raw_tcp_bytes_per_second  # noqa: E402
+from swarm_bench import CLI, ROOT, raw_tcp_bytes_per_second, stop, wait_for  # noqa: E402
 
 from diloco_peer.observe.events import read_events  # noqa: E402
 from diloco_peer.tools.netbed import SlowNetwork, available  # noqa: E402
@@ -36,14 +34,6 @@ from diloco_peer.tools.netbed import SlowNetwork, available  # noqa: E402
 
 def _events(path: Path, kind: str) -> list[dict]:
     return [e for e in read_events(path) if e["event"] == kind]
-
-
-def _wait(what: str, condition, procs: list[subprocess.Popen], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-            raise RuntimeError(f"no {what} within {timeout:g}s (or a process exited)")
-        time.sleep(0.5)
 
 
 def measure_sync(net: SlowNetwork, args, workdir: Path) -> dict:
@@ -61,24 +51,17 @@ def measure_sync(net: SlowNetwork, args, workdir: Path) -> dict:
     try:
         start(0, ["bootstrap", "--listen", f"/ip4/{net.address(0)}/tcp/0", "--address-file", str(address_file)],
               "bootstrap")
-        _wait("bootstrap address", lambda: address_file.exists() and address_file.read_text().strip(), procs, 60)
+        wait_for("bootstrap address", lambda: address_file.exists() and address_file.read_text().strip(), procs, 60)
         join = ["join", address_file.read_text().strip(), "--config", config]
         for i, name in enumerate(["donor", "joiner"]):
             if name == "joiner":  # once the donor holds a state to serve
-                _wait("round of the donor", lambda: _events(workdir / "donor.jsonl", "round"), procs, args.timeout)
+                wait_for("round of the donor", lambda: _events(workdir / "donor.jsonl", "round"), procs, args.timeout)
             argv = [*join, "--name", name, "--set", f"swarm.host_maddrs=['/ip4/{net.address(i)}/tcp/0']"]
             start(i, [*argv, *(a for s in sets for a in ("--set", s))], name)
-        _wait("state sync of the joiner", lambda: [e for e in _events(workdir / "joiner.jsonl", "sync") if e["ok"]],
+        wait_for("state sync of the joiner", lambda: [e for e in _events(workdir / "joiner.jsonl", "sync") if e["ok"]],
               procs, args.timeout)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(procs)
     sync = next(e for e in _events(workdir / "joiner.jsonl", "sync") if e["ok"])
     parameters = _events(workdir / "joiner.jsonl", "start")[0]["parameters"]
     return {"bytes": sync["bytes"], "seconds": sync["seconds"], "parameters": parameters}
