@@ -394,14 +394,15 @@ def test_a_lie_present_from_the_first_second_neither_freezes_the_swarm_nor_misle
     late_syncs = [e for e in local_swarm.events("late") if e["event"] == "sync"]
     assert late_syncs and late_syncs[0]["ok"] and 1 <= late_syncs[0]["epoch"] < LIE_EPOCH, late_syncs
     assert any(r["outcome"] == "averaged" for r in rounds["late"]), rounds["late"]
-    # and all three are identical after every round they all averaged (a partial round under load heals by the
-    # next one), the last or the one before it among them
+    # and all three are identical after every round they averaged in one group (a group of 3 or 4 of the 4 peers:
+    # there is no other; under load a round can split into two pairs, each "averaged", seen in CI, and a split or
+    # partial round heals by the next one), one of the last three rounds among them
     by_round = {r["round"]: {} for r in rounds["late"]}
     for name, events in rounds.items():
         for r in events:
             by_round.get(r["round"], {})[name] = r
     together = [n for n, rs in by_round.items()
-                if len(rs) == 3 and all(r["outcome"] == "averaged" for r in rs.values())]
-    assert together and max(together) >= rounds_run - 1, by_round
+                if len(rs) == 3 and all(r["outcome"] == "averaged" and r["group_size"] >= 3 for r in rs.values())]
+    assert together and max(together) >= rounds_run - 2, by_round
     for n in together:
         assert len({r["param_sha256"] for r in by_round[n].values()}) == 1, (n, by_round[n])
