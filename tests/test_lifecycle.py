@@ -245,10 +245,13 @@ def still_running(processes: dict[int, float]) -> list[str]:
 class Case:
     """One process of the matrix, the signal it gets and what must follow."""
 
-    def __init__(self, name: str, proc: subprocess.Popen, sig: signal.Signals, bound: float, group: bool = False):
+    def __init__(self, name: str, proc: subprocess.Popen, sig: signal.Signals, bound: float, group: bool = False,
+                 log: Path | None = None):
         self.name, self.proc, self.sig, self.bound = name, proc, sig, bound
         self.group = group
         """Signal the whole process group (the children too), as a terminal's Ctrl+C or systemd's stop do."""
+        self.log = log
+        """The process's log: its end is shown when it exits too late (where did the time go?)."""
         self.processes: dict[int, float] = {}
         self.sent = self.exited = 0.0
         self.waiter = threading.Thread(target=self._wait, daemon=True)
@@ -275,7 +278,9 @@ class Case:
         assert not self.waiter.is_alive(), f"{self.name}: still running {self.bound + 30:g}s after {self.sig.name}"
         code, took = self.proc.returncode, self.exited - self.sent
         assert code == expected_code, f"{self.name}: {self.sig.name} gave exit code {code}, not {expected_code}"
-        assert took < self.bound, f"{self.name}: {self.sig.name} took {took:.1f}s to exit (bound {self.bound:g}s)"
+        tail = self.log.read_text()[-2000:] if self.log is not None and self.log.exists() else ""
+        late = f"{self.name}: {self.sig.name} took {took:.1f}s to exit (bound {self.bound:g}s)"
+        assert took < self.bound, f"{late}\n{tail}"
         deadline = time.monotonic() + 15
         while still_running(self.processes) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -302,8 +307,10 @@ def test_stop_while_joining_a_bootstrap_nobody_answers_and_bootstrap_nodes(local
         peer = local_swarm.start_peer(f"joining-{sig.name}", "swarm.join_timeout=120",
                                       f"run.shutdown_grace={PEER_GRACE}", bootstraps=[nobody])
         boot = local_swarm.spawn(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0"], f"boot-{sig.name}.log")
-        cases += [Case(f"joining peer ({sig.name})", peer, sig, bound=10),
-                  Case(f"bootstrap ({sig.name})", boot, sig, bound=10)]
+        cases += [Case(f"joining peer ({sig.name})", peer, sig, bound=10,
+                       log=local_swarm.workdir / f"joining-{sig.name}.log"),
+                  Case(f"bootstrap ({sig.name})", boot, sig, bound=10,
+                       log=local_swarm.workdir / f"boot-{sig.name}.log")]
     for case in cases[1::2]:
         wait_for_line(local_swarm.workdir / f"boot-{case.sig.name}.log", "diloco-peer join ", case.proc)
     for case in cases[0::2]:
@@ -330,7 +337,8 @@ def test_stop_while_training_leaves_a_checkpoint_and_nothing_behind(local_swarm)
         "checkpoint.every_rounds=1") for name in sigs}
     for name in sigs:  # inner steps of round 1 under way
         wait_until(lambda: any(e["event"] == "progress" for e in local_swarm.events(name)), f"{name} training", 120)
-    cases = {name: Case(name, proc, sigs[name], bound=PEER_GRACE, group="group" in name)
+    cases = {name: Case(name, proc, sigs[name], bound=PEER_GRACE, group="group" in name,
+                         log=local_swarm.workdir / f"{name}.log")
              for name, proc in procs.items()}
     for case in cases.values():
         case.signal()
@@ -365,7 +373,8 @@ def test_stop_in_an_all_reduce_and_in_a_state_sync(local_swarm):
     for run, (sig, _) in runs.items():
         name = f"ar-{run}"
         wait_until(lambda: any(e["event"] == "averaging" for e in local_swarm.events(name)), f"{name} averaging", 150)
-        cases.append(Case(f"{name} in an all-reduce", victims[run], sig, bound=PEER_GRACE))
+        cases.append(Case(f"{name} in an all-reduce", victims[run], sig, bound=PEER_GRACE,
+                          log=local_swarm.workdir / f"{name}.log"))
         cases[-1].signal()
     for case in cases:
         case.check(KILLED if case.sig == signal.SIGKILL else 0)
@@ -375,7 +384,7 @@ def test_stop_in_an_all_reduce_and_in_a_state_sync(local_swarm):
     for run, proc in newcomers.items():
         log = local_swarm.workdir / f"sync-{run}.log"
         wait_until(lambda: log.exists() and "state sync: " in log.read_text(), f"sync-{run} downloading", 120)
-        cases.append(Case(f"sync-{run} in a state sync", proc, runs[run][1], bound=PEER_GRACE))
+        cases.append(Case(f"sync-{run} in a state sync", proc, runs[run][1], bound=PEER_GRACE, log=log))
         cases[-1].signal()
     for case in cases:
         took = case.check(KILLED if case.sig == signal.SIGKILL else 0)
@@ -407,7 +416,7 @@ def test_leaving_with_an_unresponsive_dht_ends_within_its_bound(local_swarm):
         wait_until(lambda: any(e["event"] == "progress" for e in local_swarm.events(name)), f"{name} training", 120)
     cases = {}
     for name, proc in procs.items():
-        cases[name] = Case(name, proc, plans[name][0], bound=grace)
+        cases[name] = Case(name, proc, plans[name][0], bound=grace, log=local_swarm.workdir / f"{name}.log")
         cases[name].processes = tree(proc)
         dht_process(proc).suspend()
         cases[name].signal()
