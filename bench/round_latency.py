@@ -4,11 +4,12 @@ Three ``RoundAverager``s (each with its own DHT node and averager process, as th
 pseudo-gradient of the config's shapes in complete groups, round after round, as the daemon's blocking rounds
 do after the gate (``expected`` = 3: the group starts as soon as everyone is in). Printed per round: the
 all-reduce as the daemon's record counts it (``allreduce_seconds``: group bits, matchmaking, exchange) and its
-exchange alone (``transfer_seconds``). Then the same with the leader's assembly grace
-(``hivemind_internals.ASSEMBLY_GRACE``) set to 0, in the same run, to show what that grace costs.
+exchange alone (``transfer_seconds``). Rounds are ``--pause`` seconds apart (the inner steps' place). Three
+runs side by side, fresh averager processes each: the leader's assembly grace as shipped (waited only while the
+leader's event loop has not been on time, ``hivemind_internals.LoopLag``), waited always, and never.
 
-    .venv/bin/python bench/round_latency.py                  # tiny-cpu (0.36M parameters), 10 rounds each
-    .venv/bin/python bench/round_latency.py --rounds 20 --set averaging.compression=int8
+    .venv/bin/python bench/round_latency.py                  # tiny-cpu (0.36M parameters), 20 rounds each
+    .venv/bin/python bench/round_latency.py --rounds 30 --set averaging.compression=int8
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from diloco_peer.config.loading import load_config
 from diloco_peer.training.model import parameter_shapes
 
 
-async def _rounds(averagers: list[RoundAverager], inputs: list[list[torch.Tensor]], rounds: int
+async def _rounds(averagers: list[RoundAverager], inputs: list[list[torch.Tensor]], rounds: int, pause: float
                   ) -> list[tuple[float, float]]:
     """(slowest member's all-reduce seconds, slowest member's exchange seconds) per round."""
     times = []
     for epoch in range(rounds):
+        await asyncio.sleep(pause)
         results = await asyncio.gather(*(a.average(x, weight=1000, epoch=epoch, expected=len(averagers))
                                          for a, x in zip(averagers, inputs)))
         if not all(r.ok and r.group_size == len(averagers) for r in results):
@@ -41,20 +43,20 @@ async def _rounds(averagers: list[RoundAverager], inputs: list[list[torch.Tensor
     return times
 
 
-def _measure(nodes: list[DHT], shapes, cfg, rounds: int, run_id: str) -> list[tuple[float, float]]:
-    """Fresh averager processes (they read ``ASSEMBLY_GRACE`` as it was when they forked) for ``rounds`` rounds."""
+def _measure(nodes: list[DHT], shapes, cfg, rounds: int, pause: float, run_id: str) -> list[tuple[float, float]]:
+    """Fresh averager processes (they read ``ASSEMBLY_GRACE`` and ``LoopLag`` as they were when they forked)."""
     averagers = [RoundAverager(node, shapes, run_id, cfg.averaging) for node in nodes]
     generator = torch.Generator().manual_seed(0)
     inputs = [[torch.randn(s, generator=generator) * 1e-3 for s in shapes] for _ in averagers]
     try:
-        return asyncio.run(_rounds(averagers, inputs, rounds))
+        return asyncio.run(_rounds(averagers, inputs, rounds, pause))
     finally:
         for a in averagers:
             a.shutdown()
 
 
-def _summary(times: list[tuple[float, float]]) -> str:
-    total, transfer = zip(*times[1:])  # the first round also opens the connections
+def _summary(times: list[tuple[float, float]], skip: int) -> str:
+    total, transfer = zip(*times[skip:])
     return (f"all-reduce median {statistics.median(total):.3f} s (min {min(total):.3f}, max {max(total):.3f}); "
             f"exchange median {statistics.median(transfer):.3f} s; matchmaking and calls "
             f"{statistics.median(total) - statistics.median(transfer):.3f} s")
@@ -63,7 +65,8 @@ def _summary(times: list[tuple[float, float]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=None, help="a shipped config name or a path (default: tiny-cpu)")
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--pause", type=float, default=1.0, help="seconds between rounds (default 1.0)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     cfg = load_config(args.config, args.set)
@@ -73,19 +76,26 @@ def main() -> None:
     root = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     nodes = [DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                  initial_peers=[str(a) for a in root.get_visible_maddrs()]) for _ in range(3)]
-    grace = hivemind_internals.ASSEMBLY_GRACE
+    # the first rounds of a run: connections open, and the grace is waited until the loop watch has a window
+    skip = min(args.rounds - 1, int(hivemind_internals.LoopLag().window / (args.pause + 0.2)) + 2)
+    grace, calm = hivemind_internals.ASSEMBLY_GRACE, hivemind_internals.LoopLag.calm
+    runs = {}
     try:
-        with_grace = _measure(nodes, shapes, cfg, args.rounds, "latency-grace")
+        runs["as shipped"] = _measure(nodes, shapes, cfg, args.rounds, args.pause, "latency-shipped")
+        hivemind_internals.LoopLag.calm = lambda self: False
+        runs[f"grace {grace} s always"] = _measure(nodes, shapes, cfg, args.rounds, args.pause, "latency-grace")
         hivemind_internals.ASSEMBLY_GRACE = 0.0
-        without = _measure(nodes, shapes, cfg, args.rounds, "latency-no-grace")
+        runs["grace never"] = _measure(nodes, shapes, cfg, args.rounds, args.pause, "latency-no-grace")
     finally:
+        hivemind_internals.ASSEMBLY_GRACE, hivemind_internals.LoopLag.calm = grace, calm
         for node in [*nodes, root]:
             node.shutdown()
-    print(f"assembly grace {grace} s: {_summary(with_grace)}")
-    print(f"assembly grace 0 s:    {_summary(without)}")
-    ratio = statistics.median(t for t, _ in with_grace[1:]) / statistics.median(t for t, _ in without[1:])
-    print(f"ratio (with grace / without): {ratio:.2f}")
-
+    print(f"rounds {skip + 1}-{args.rounds} of each run:")
+    for name, times in runs.items():
+        print(f"  {name:<20} {_summary(times, skip)}")
+    never = statistics.median(t for t, _ in runs["grace never"][skip:])
+    for name in list(runs)[:2]:
+        print(f"ratio {name} / grace never: {statistics.median(t for t, _ in runs[name][skip:]) / never:.2f}")
 
 if __name__ == "__main__":
     main()

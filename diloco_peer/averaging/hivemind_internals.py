@@ -29,8 +29,8 @@ from hivemind.proto import averaging_pb2
 
 from ..swarm.p2pd_internals import HIVEMIND_VERSION, PrivateUse
 
-__all__ = ["HIVEMIND_VERSION", "INVENTORY", "ban_sender", "forbid_retries", "keeping_our_sigint", "mark_state_updated",
-           "own_input_parts", "leave_out_before_assembly", "p2p_of", "patch_join_requests",
+__all__ = ["HIVEMIND_VERSION", "INVENTORY", "LoopLag", "ban_sender", "forbid_retries", "keeping_our_sigint",
+           "mark_state_updated", "own_input_parts", "leave_out_before_assembly", "p2p_of", "patch_join_requests",
            "reject_stale_join_requests", "running_group", "send_to_averager_process", "set_target_group_size",
            "state_from_host"]
 
@@ -206,14 +206,22 @@ def set_target_group_size(averager: DecentralizedAverager, size: int | None) -> 
     another group, and hivemind forgets it only once its handler sees the closed stream. The group would
     then wait a whole sender timeout for its parts (seen under load: a 40 s round). So, once a size was set,
     the matchmaking's ``leader_assemble_group`` waits ``ASSEMBLY_GRACE`` seconds first (it holds the join lock:
-    nobody else joins meanwhile), and a follower that left in the meantime is not in the group.
+    nobody else joins meanwhile), and a follower that left in the meantime is not in the group; unless this
+    process's event loop has been on time (``LoopLag.calm``): a request that waited over half its timeout for us
+    is turned away (``reject_stale_join_requests``), and a leader that answers the rest at once leaves its
+    followers half their timeout for the way there and back. (That grace was 40% of a loopback round's
+    all-reduce: 0.39 s against 0.22 s, ``bench/round_latency.py``.)
     """
     matchmaking = averager._matchmaking
     matchmaking.target_group_size = size
     if size is not None and not getattr(matchmaking, "_assembles_after_grace", False):
         assemble = matchmaking.leader_assemble_group
+        lag = LoopLag()
+        lag.start()
 
         async def assemble_after_grace():
+            if lag.calm():
+                return await assemble()
             await asyncio.sleep(ASSEMBLY_GRACE)
             if matchmaking.assembled_group.done():  # cancelled meanwhile (the step was): nothing to form
                 return matchmaking.assembled_group.result()
@@ -225,6 +233,39 @@ def set_target_group_size(averager: DecentralizedAverager, size: int | None) -> 
 
 ASSEMBLY_GRACE = 0.15
 """Seconds a leader waits between "the group is complete" and forming it (see ``set_target_group_size``)."""
+
+
+class LoopLag:
+    """How late the running event loop has woken a task that sleeps ``period`` seconds, over the last ``window``
+    seconds: a loop that is on time answers a message as soon as it arrives."""
+
+    def __init__(self, period: float = 0.05, window: float = 5.0, limit: float = 0.05):
+        self.period, self.window, self.limit = period, window, limit
+        self.since: float | None = None  # time.monotonic() the watch began
+        self.tick = 0.0  # time.monotonic() of the last wake-up
+        self.late: list[tuple[float, float]] = []  # (when, seconds late) of the ticks over ``limit``, in the window
+
+    def start(self) -> None:
+        """Starts watching the running loop (the task ends with the loop)."""
+        asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        self.since = self.tick = time.monotonic()
+        while True:
+            await asyncio.sleep(self.period)
+            now = time.monotonic()
+            if now - self.tick - self.period > self.limit:
+                self.late.append((now, now - self.tick - self.period))
+            self.late = [(t, s) for t, s in self.late if now - t <= self.window]
+            self.tick = now
+
+    def calm(self) -> bool:
+        """Watched for a whole window, and never ``limit`` seconds late in it (a slow tick still under way counts:
+        a loop blocked right now has not woken the watcher)."""
+        now = time.monotonic()
+        if self.since is None or now - self.since < self.window or now - self.tick > self.period + self.limit:
+            return False
+        return not any(now - t <= self.window for t, _ in self.late)
 
 
 def patch_join_requests(averager: DecentralizedAverager, refuses: Callable[[PeerID], bool]) -> None:
