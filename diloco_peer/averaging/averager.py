@@ -156,6 +156,8 @@ class RoundAverager:
                 faults=faults,
                 inputs=self._inputs,
             )
+        if cfg.start_when_complete:  # the leader's loop watch starts now, not at the first round (expect_group)
+            self.averager.expect_group(None)
 
     @property
     def inputs(self) -> list[torch.Tensor] | None:

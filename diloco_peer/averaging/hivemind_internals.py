@@ -214,10 +214,12 @@ def set_target_group_size(averager: DecentralizedAverager, size: int | None) -> 
     """
     matchmaking = averager._matchmaking
     matchmaking.target_group_size = size
+    lag = getattr(matchmaking, "_loop_lag", None)
+    if lag is None:  # (the first call, with a size or not: the watch has a whole window by the first group)
+        lag = matchmaking._loop_lag = LoopLag()
+        lag.start()
     if size is not None and not getattr(matchmaking, "_assembles_after_grace", False):
         assemble = matchmaking.leader_assemble_group
-        lag = LoopLag()
-        lag.start()
 
         async def assemble_after_grace():
             if lag.calm():
