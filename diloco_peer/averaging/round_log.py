@@ -9,10 +9,11 @@ What it misses is small: the averages of the rounds since, one outer step each. 
 Donor side. While a download of our state is in flight, or one (or a replay) began within the last two rounds
 (``RoundLog.wanted``), each outer step's update is kept for the peer that may need it (``RoundLog.record``, an
 ``OuterOptimizer.on_step`` hook): with the hash of our state before it, as a copy in memory or, if the
-``averaging.log_rounds`` kept would be over ``averaging.serve_copy_in_memory_mb``, a file (``ServedStates._copy_out``).
-The averager process keeps the last ``log_rounds`` and serves them (``serve``, our ``rpc_download_rounds``). When
-nobody downloaded for two rounds, the log is dropped. A swarm averaging in fp16 or bf16 has bit-identical averages that are fp16 (bf16)
-values: they are sent as such, 2 bytes per parameter per round, checked lossless tensor by tensor; otherwise fp32.
+``averaging.log_rounds`` kept would be over ``averaging.serve_copy_in_memory_mb``, a file
+(``ServedStates._copy_out``). The averager process keeps the last ``log_rounds`` and serves them (``serve``, our
+``rpc_download_rounds``). When nobody downloaded for two rounds, the log is dropped. A swarm averaging in fp16 or
+bf16 has bit-identical averages that are fp16 (bf16) values: they are sent as such, 2 bytes per parameter per
+round, checked lossless tensor by tensor; otherwise fp32.
 
 Joiner side (``replay``): ask a holder of the swarm's state for the rounds after ours, named by our epoch and state
 hash (a donor holding another chain serves nothing), only if they are fewer bytes than the state; apply each
