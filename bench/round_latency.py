@@ -97,5 +97,6 @@ def main() -> None:
     for name in list(runs)[:2]:
         print(f"ratio {name} / grace never: {statistics.median(t for t, _ in runs[name][skip:]) / never:.2f}")
 
+
 if __name__ == "__main__":
     main()
