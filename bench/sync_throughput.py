@@ -59,7 +59,7 @@ def measure_sync(net: SlowNetwork, args, workdir: Path) -> dict:
             argv = [*join, "--name", name, "--set", f"swarm.host_maddrs=['/ip4/{net.address(i)}/tcp/0']"]
             start(i, [*argv, *(a for s in sets for a in ("--set", s))], name)
         wait_for("state sync of the joiner", lambda: [e for e in _events(workdir / "joiner.jsonl", "sync") if e["ok"]],
-              procs, args.timeout)
+                 procs, args.timeout)
     finally:
         stop(procs)
     sync = next(e for e in _events(workdir / "joiner.jsonl", "sync") if e["ok"])

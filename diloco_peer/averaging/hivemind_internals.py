@@ -245,7 +245,7 @@ class LoopLag:
         self.period, self.window, self.limit = period, window, limit
         self.since: float | None = None  # time.monotonic() the watch began
         self.tick = 0.0  # time.monotonic() of the last wake-up
-        self.late: list[tuple[float, float]] = []  # (when, seconds late) of the ticks over ``limit``, in the window
+        self.late: list[float] = []  # time.monotonic() of the wake-ups over ``limit`` late, in the window
 
     def start(self) -> None:
         """Starts watching the running loop (the task ends with the loop)."""
@@ -257,8 +257,8 @@ class LoopLag:
             await asyncio.sleep(self.period)
             now = time.monotonic()
             if now - self.tick - self.period > self.limit:
-                self.late.append((now, now - self.tick - self.period))
-            self.late = [(t, s) for t, s in self.late if now - t <= self.window]
+                self.late.append(now)
+            self.late = [t for t in self.late if now - t <= self.window]
             self.tick = now
 
     def calm(self) -> bool:
@@ -267,7 +267,7 @@ class LoopLag:
         now = time.monotonic()
         if self.since is None or now - self.since < self.window or now - self.tick > self.period + self.limit:
             return False
-        return not any(now - t <= self.window for t, _ in self.late)
+        return not any(now - t <= self.window for t in self.late)
 
 
 def patch_join_requests(averager: DecentralizedAverager, refuses: Callable[[PeerID], bool]) -> None:

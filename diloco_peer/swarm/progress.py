@@ -377,4 +377,5 @@ class SwarmProgress:
                                      f"only {len(records)} of min_peers={min_peers} after {waited:.0f}s", records,
                                      self.present)
             fast = min(self.POLL_SECONDS, max(self.FAST_POLL_SECONDS, len(records) / self.SWARM_POLLS_PER_SECOND))
-            await asyncio.sleep(fast if time.monotonic() - started < self.FAST_POLL_WINDOW else self.POLL_SECONDS)
+            in_window = time.monotonic() - started < self.FAST_POLL_WINDOW
+            await asyncio.sleep(fast if in_window else self.POLL_SECONDS)
