@@ -280,6 +280,7 @@ async def download(averager, donor: str, timeout: float, into: list[torch.Tensor
         return tensor  # not our state's shape: kept as it came, for the checks to refuse with a clear message
 
     total, started = sum(t.numel() * t.element_size() for t in staging[start:]), time.monotonic()
+    bound = "at most " if rounds is not None else ""  # (logged rounds may come as fp16 or bf16: half the fp32 size)
     reported = started
     messages = aiter_with_timeout(stream, timeout=timeout)
     try:
@@ -289,7 +290,7 @@ async def download(averager, donor: str, timeout: float, into: list[torch.Tensor
             received += message.ByteSize()
             if time.monotonic() - reported > PROGRESS_EVERY:
                 reported = time.monotonic()
-                logger.info(f"state download from {donor[-8:]}: {received / 1e6:,.0f} of {total / 1e6:,.0f} MB "
+                logger.info(f"state download from {donor[-8:]}: {received / 1e6:,.0f} of {bound}{total / 1e6:,.0f} MB "
                             f"({received / 1e6 / (reported - started):.1f} MB/s)")
             if message.metadata:
                 metadata = averager.serializer.loads(message.metadata)
