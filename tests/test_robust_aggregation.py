@@ -6,6 +6,8 @@ honest peers average only with each other, count the offense by kind and ban the
 """
 
 import asyncio
+import queue
+import types
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from conftest import FAST
 from hivemind.averaging.load_balancing import load_balance_peers
 
 from diloco_peer.averaging.averager import RoundAverager
+from diloco_peer.averaging.pseudo_gradient_averager import PseudoGradientAverager
 from diloco_peer.averaging.robust_aggregation import (
     MIN_DIRECTION_VALUES,
     BadContribution,
@@ -139,6 +142,43 @@ def test_robust_mode_leaves_the_direction_of_tiny_parts_alone_and_clips_them():
             assert torch.allclose(result, base * (1 + 1.1 - 1.1) / 3, atol=1e-6)
         own = torch.ones(n)
         assert _kind(check_average, -own, own, Limits(robust=True)) == ("direction" if refusal else "")
+
+
+def test_a_part_slightly_against_the_group_is_refused_but_counts_towards_a_ban_only_below_ban_cosine():
+    """A CI run saw an honest peer's parts at cosine -0.01 to -0.20 with the median for a few rounds (after a relay
+    loss); two offenses banned it for 600 s and it trained alone. Such a part is still kept out of the average, but
+    only a part below ``ban_cosine`` (a sign flip: -0.77 to -0.97 measured) counts towards a ban."""
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(4000, generator=gen)
+    off = -0.15 * base + torch.randn(4000, generator=gen)  # cosine about -0.15 with base: honest noise's range
+    for part, counts in ((off, False), (-base, True)):
+        parts = {0: (base, 1.0), 1: (base * 1.1, 1.0), 2: (part, 1.0)}
+        result, refused = aggregate(parts, own=0, limits=Limits(robust=True))
+        assert [(s, p.kind, p.counts) for s, p in refused] == [(2, "direction", counts)]
+        assert torch.allclose(result, base * 1.025, atol=1e-5)  # refused either way: the other two (clipped) only
+        assert ("not counted towards a ban" in refused[0][1].detail) is not counts
+        every = Limits(robust=True, ban_cosine=0.0)  # ban_cosine = min_cosine: every direction refusal counts
+        assert [p.counts for _, p in aggregate(parts, own=0, limits=every)[1]] == [True]
+        try:  # the same rule for an average a reducer sends back, judged against our own part
+            check_average(part, base, Limits(robust=True))
+        except BadContribution as e:
+            assert (e.kind, e.counts) == ("direction", counts)
+        else:
+            raise AssertionError("the average was not refused")
+
+
+def test_a_refusal_that_does_not_count_is_reported_but_bans_nobody():
+    class Peer:
+        def to_base58(self):
+            return "QmPeer"
+
+    reported = queue.Queue()
+    averager = types.SimpleNamespace(bans=BanList(ban_after=1, ban_seconds=60), offenses=reported)
+    PseudoGradientAverager._report(averager, Peer(), "direction", "cosine -0.12", counts=False)
+    assert reported.get_nowait() == ("QmPeer", "direction", "cosine -0.12", False)
+    assert not averager.bans.is_banned("QmPeer") and averager.bans.offenses == {}
+    PseudoGradientAverager._report(averager, Peer(), "direction", "cosine -0.90")
+    assert reported.get_nowait() == ("QmPeer", "direction", "cosine -0.90", True) and averager.bans.is_banned("QmPeer")
 
 
 def test_a_sender_whose_stream_goes_away_costs_the_others_nothing():

@@ -101,10 +101,11 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     # --- who takes part
 
-    def _report(self, peer_id: PeerID, kind: str, detail: str) -> None:
-        # in the averager process: count the offense, ban a repeat offender, tell the host
+    def _report(self, peer_id: PeerID, kind: str, detail: str, counts: bool = True) -> None:
+        # in the averager process: count the offense (``counts``: see ``BadContribution``), ban a repeat offender,
+        # tell the host
         peer = peer_id.to_base58()
-        banned_now = self.bans.record(peer)
+        banned_now = self.bans.record(peer) if counts else False
         logger.warning(f"refused a contribution of peer {peer}: {kind}: {detail}"
                        + (f"; banned for {self.bans.ban_seconds:g}s" if banned_now else ""))
         self.offenses.put((peer, kind, detail, banned_now))
@@ -359,7 +360,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             traffic=self.traffic,
             relayed=relayed,
             limits=self.limits,
-            on_offense=lambda peer_id, problem: self._report(peer_id, problem.kind, problem.detail),
+            on_offense=lambda peer_id, problem: self._report(peer_id, problem.kind, problem.detail, problem.counts),
             faults=self.faults,
             allreduce=self.allreduces,
             p2p=p2p,

@@ -38,11 +38,12 @@ state download that failed its checks, see ``state_sync.py``)."""
 
 
 class BadContribution(Exception):
-    """A peer's part or average failed a check; ``kind`` is one of ``OFFENSE_KINDS``."""
+    """A peer's part or average failed a check; ``kind`` is one of ``OFFENSE_KINDS``. ``counts``: whether it counts
+    towards a ban (a direction refusal above ``Limits.ban_cosine`` does not: see ``_direction``)."""
 
-    def __init__(self, kind: str, detail: str):
+    def __init__(self, kind: str, detail: str, counts: bool = True):
         super().__init__(f"{kind}: {detail}")
-        self.kind, self.detail = kind, detail
+        self.kind, self.detail, self.counts = kind, detail, counts
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,14 @@ class Limits:
     max_weight_ratio: float = 10.0
     robust: bool = False
     min_cosine: float = 0.0
+    ban_cosine: float = -0.5
 
     @classmethod
     def of(cls, cfg) -> Limits:
         """The bounds an ``[averaging]`` section (``AveragingConfig``) sets: one place, so that the swarm's
         averager and ``diloco-peer simulate`` check with the same numbers."""
         return cls(max_update_ratio=cfg.max_update_ratio, max_weight_ratio=cfg.max_weight_ratio,
-                   robust=cfg.aggregation == "robust", min_cosine=cfg.min_cosine)
+                   robust=cfg.aggregation == "robust", min_cosine=cfg.min_cosine, ban_cosine=cfg.ban_cosine)
 
 
 MIN_DIRECTION_VALUES = 1024
@@ -72,6 +74,17 @@ norm and weight, which bounds what any one member moves them by (SECURITY.md).""
 
 def _norm(t: torch.Tensor) -> float:
     return float(t.double().norm())
+
+
+def _direction(what: str, cosine: float, limits: Limits) -> BadContribution:
+    """A direction refusal. The cosine is a judgment, not a proof: an honest peer whose part is off for a while
+    (seen: -0.01 to -0.20 after a relay loss) is refused but not counted towards a ban unless it points clearly
+    against us (below ``ban_cosine``; a sign flip measured -0.77 to -0.97). A refused part never reaches the
+    average either way."""
+    counts = cosine < limits.ban_cosine
+    note = "" if counts else f"; not counted towards a ban (averaging.ban_cosine={limits.ban_cosine:g})"
+    return BadContribution("direction", f"{what} {cosine:.2f} (averaging.min_cosine={limits.min_cosine:g}){note}",
+                           counts=counts)
 
 
 def check_arrival(part: torch.Tensor, shape: torch.Size, weight: float, limits: Limits) -> None:
@@ -117,8 +130,7 @@ def aggregate(parts: dict[int, tuple[torch.Tensor, float]], own: int | None,
                 continue
             cosine = float(torch.nn.functional.cosine_similarity(p.double().flatten(), reference, dim=0))
             if cosine < limits.min_cosine:
-                refused.append((s, BadContribution("direction", f"cosine {cosine:.2f} with the group's median "
-                                                                f"(averaging.min_cosine={limits.min_cosine:g})")))
+                refused.append((s, _direction("cosine with the group's median", cosine, limits)))
         kept = {s: pw for s, pw in kept.items() if s not in {r for r, _ in refused}}
     if limits.robust and len(kept) >= 2:
         median_norm = float(torch.tensor([norms[s] for s in kept], dtype=torch.float64).quantile(0.5))
@@ -146,8 +158,7 @@ def check_average(averaged: torch.Tensor, own_part: torch.Tensor, limits: Limits
         cosine = float(torch.nn.functional.cosine_similarity(averaged.double().flatten(),
                                                              own_part.double().flatten(), dim=0))
         if cosine < limits.min_cosine:
-            raise BadContribution("direction", f"averaged part has cosine {cosine:.2f} with ours "
-                                               f"(averaging.min_cosine={limits.min_cosine:g})")
+            raise _direction("averaged part's cosine with ours", cosine, limits)
 
 
 MAX_BANDWIDTH_RATIO = 1.0
