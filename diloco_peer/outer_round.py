@@ -361,7 +361,8 @@ class OuterRounds:
             result = retry.after(result)
         self.events.write("sync", peer=self.name, reason=why, donor=result.donor, epoch=result.epoch,
                           seconds=result.seconds, bytes=result.bytes, attempts=result.attempts, ok=result.ok,
-                          error=result.error, donor_errors=result.donor_errors, rounds=result.rounds)
+                          error=result.error, donor_errors=result.donor_errors, rounds=result.rounds,
+                          stages=result.stages)
         if not result.ok:
             logger.warning(f"state sync failed ({result.error}); will try again at the next round")
             await self._distrust(target, result)
@@ -375,8 +376,9 @@ class OuterRounds:
         await self.progress.publish(epoch=self.outer.epoch, round=next_round,
                                     inner_step=self.trainer.step, ready=False, state_hash=self.sync.state_hash,
                                     joined=True)
+        stages = ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in result.stages.items())
         logger.info(f"state sync: now at epoch {self.outer.epoch} ({result.bytes / 1e6:.2f} MB from "
-                    f"{result.donor[-8:]} in {result.seconds:.2f}s)")
+                    f"{result.donor[-8:]} in {result.seconds:.2f}s: {stages})")
         return True
 
     async def _distrust(self, target, result) -> None:

@@ -145,6 +145,11 @@ def test_newcomer_downloads_weights_momentum_and_epoch(peers):
     assert param_sha256(newcomer.outer.model.parameters()) == param_sha256(donor.outer.params)  # the replica too
     payload = 2 * sum(p.numel() * 4 for p in donor.outer.params)
     assert payload <= result.bytes < payload * 1.05 and donor.served == [(3, payload)]
+    # where the time went (a 1B joiner spent ~30 s between its download and the next step, untold): every stage
+    # timed, the donor's logged rounds asked for first (3 behind: within averaging.log_rounds; it had none)
+    assert list(result.stages) == ["rounds", "download", "check", "load"], result
+    assert all(t >= 0 for t in result.stages.values()), result
+    assert sum(result.stages.values()) <= result.seconds + 0.01, result
     # after the same outer step with the same update, both stay bit-identical (momentum came along)
     update = [torch.randn_like(p) for p in donor.outer.params]
     donor.outer.step(update)
@@ -188,7 +193,7 @@ def test_a_peer_rounds_behind_catches_up_with_their_logged_updates_not_the_state
     assert asyncio.run(newcomer.sync.sync(donor.target())).rounds == 0  # a download: the donor logs what follows
     _fp16_rounds(donor, rounds=3)
     result = asyncio.run(newcomer.sync.sync(donor.target()))
-    assert result.ok and result.rounds == 3 and len(donor.served) == 1, result
+    assert result.ok and result.rounds == 3 and len(donor.served) == 1 and list(result.stages) == ["rounds"], result
     assert 6 * numel <= result.bytes < 6.3 * numel, (result.bytes, numel)
     assert newcomer.outer.epoch == 4 and newcomer.sync.state_hash == donor.sync.state_hash == newcomer.sync._own_hash()
     assert param_sha256(newcomer.outer.momentum_buffers()) == param_sha256(donor.outer.momentum_buffers())
@@ -204,6 +209,7 @@ def test_a_peer_rounds_behind_catches_up_with_their_logged_updates_not_the_state
     donor.advance(2)  # two fp32 rounds weigh as much as the state: it is downloaded instead
     result = asyncio.run(newcomer.sync.sync(donor.target()))
     assert result.ok and result.rounds == 0 and len(donor.served) == 2, result
+    assert list(result.stages) == ["rounds", "download", "check", "load"], result  # (the rounds asked for first)
     assert newcomer.sync.state_hash == donor.sync.state_hash
 
 
@@ -222,7 +228,8 @@ def test_rounds_are_logged_only_for_a_peer_likely_behind_and_never_replayed_onto
     result = asyncio.run(other.sync.sync(donor.target()))
     assert result.ok and result.rounds == 0 and len(donor.served) == 3, result  # the state, downloaded
     later = time.time() + round_log.MIN_WINDOW + 1  # no download since: after a round that long (the download
-    monkeypatch.setattr(round_log, "time", SimpleNamespace(time=lambda: later))  # began within two), not logged
+    clock = SimpleNamespace(time=lambda: later, perf_counter=time.perf_counter)  # began within two), not logged
+    monkeypatch.setattr(round_log, "time", clock)
     _fp16_rounds(donor, rounds=2)
     assert donor.sync.log.logged == 0  # nobody downloading: dropped, in the averager process too
     result = asyncio.run(newcomer.sync.sync(donor.target()))

@@ -194,6 +194,7 @@ async def replay(averager, outer: OuterOptimizer, state_hash: str, target, inner
     try:
         for donor in donors[:2]:
             ask = {"after": outer.epoch, "state_hash": state_hash, "max_bytes": state_bytes}
+            started = time.perf_counter()
             try:
                 metadata, tensors, received = await hivemind_calls.call(
                     averager.download_state_from, donor, timeout, into=updates, rounds=ask)
@@ -204,10 +205,13 @@ async def replay(averager, outer: OuterOptimizer, state_hash: str, target, inner
             if epochs != list(range(outer.epoch + 1, target.epoch + 1)) or len(tensors) != len(updates) or \
                     any(t.shape != u.shape or t.dtype != torch.float32 for t, u in zip(tensors, updates)):
                 continue  # not logged there (or not all of them): the next donor, or the whole state
+            downloaded = time.perf_counter()
             state, digests = await asyncio.to_thread(_apply, outer, updates, behind, spill)
             if state_digest(digests, target.epoch, target.epoch * inner_steps) == target.state_hash:
                 logger.info(f"state sync: caught up {behind} round(s) from {donor[-8:]} with their updates, "
-                            f"{received / 1e6:,.1f} MB (the state is {state_bytes / 1e6:,.1f} MB)")
+                            f"{received / 1e6:,.1f} MB (the state is {state_bytes / 1e6:,.1f} MB): downloaded in "
+                            f"{downloaded - started:.2f}s, replayed and hashed in "
+                            f"{time.perf_counter() - downloaded:.2f}s")
                 return donor, state, digests, received
             logger.warning(f"state sync: the {behind} round(s) {donor[-8:]} logged do not lead to the swarm's state; "
                            f"downloading the state")

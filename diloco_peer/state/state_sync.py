@@ -121,9 +121,18 @@ class SyncResult:
     later: tuple | None = field(default=None, repr=False)
     """That later state, if sound: (donor, metadata, tensors). ``sync(reuse=this result)`` makes it ours if it is
     what the swarm's new target names, instead of downloading it again."""
+    stages: dict[str, float] = field(default_factory=dict)
+    """Seconds spent in each stage: ``rounds`` (fetching and replaying logged updates, ``round_log.replay``),
+    ``download``, ``check`` (shapes, finite values, hashes) and ``load`` (into the outer weights and the replica).
+    At GB scale they say where a sync's time goes (a 1B joiner spent ~30 s between its download and the next)."""
+
+    def timed(self, stage: str, started: float) -> None:
+        self.stages[stage] = round(self.stages.get(stage, 0.0) + time.perf_counter() - started, 3)
 
     def after(self, earlier: "SyncResult") -> "SyncResult":
         """This retry with an ``earlier`` attempt's cost and donor errors added: one record of the whole sync."""
+        for stage, seconds in earlier.stages.items():
+            self.stages[stage] = round(self.stages.get(stage, 0.0) + seconds, 3)
         self.seconds += earlier.seconds
         self.bytes += earlier.bytes
         self.attempts += earlier.attempts
@@ -330,10 +339,15 @@ class StateSync:
         staging = staging_for(self.outer.params, self.outer.momentum_views, self.averager.served.spill_dir)
         resume = torch.zeros(1, dtype=torch.int64).share_memory_()
         try:
-            queue = [] if await self._replay(target, donors, result) else list(donors)
+            stage, behind = time.perf_counter(), target.epoch - self.outer.epoch
+            replayed = await self._replay(target, donors, result)
+            if donors and 0 < behind <= self.cfg.log_rounds:  # (tried: they may have had them)
+                result.timed("rounds", stage)
+            queue = [] if replayed else list(donors)
             while queue and result.attempts < self.cfg.sync_attempts and not should_stop():
                 donor = queue.pop(0)
                 result.attempts += 1
+                stage = time.perf_counter()
                 try:
                     metadata, tensors, received = await self._download(donor, target, staging, resume, should_stop)
                 except asyncio.CancelledError:
@@ -347,14 +361,20 @@ class StateSync:
                     logger.warning(f"state sync: {result.error}; trying another donor")
                     queue.append(donor)  # a timeout or a broken stream may pass: it may be tried again, last
                     continue
+                finally:
+                    result.timed("download", stage)
                 result.bytes += received
+                stage = time.perf_counter()
                 problem = await asyncio.to_thread(self._check, metadata, tensors, target)
+                result.timed("check", stage)
                 if problem:
                     self._refused(donor, metadata, tensors, target, problem, result)
                     if result.later is not None:
                         break  # the swarm stepped on: ask for its new target (a later donor would overwrite this)
                     continue
+                stage = time.perf_counter()
                 await self._load(tensors, target, self.checked)
+                result.timed("load", stage)
                 result.ok, result.donor, result.epoch = True, donor, target.epoch
                 break
             if not donors:
