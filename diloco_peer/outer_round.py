@@ -376,9 +376,9 @@ class OuterRounds:
         await self.progress.publish(epoch=self.outer.epoch, round=next_round,
                                     inner_step=self.trainer.step, ready=False, state_hash=self.sync.state_hash,
                                     joined=True)
-        stages = ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in result.stages.items())
+        stages = "".join(f", {stage} {seconds:.2f}s" for stage, seconds in result.stages.items())
         logger.info(f"state sync: now at epoch {self.outer.epoch} ({result.bytes / 1e6:.2f} MB from "
-                    f"{result.donor[-8:]} in {result.seconds:.2f}s: {stages})")
+                    f"{result.donor[-8:]} in {result.seconds:.2f}s{stages})")
         return True
 
     async def _distrust(self, target, result) -> None:
