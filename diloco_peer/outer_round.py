@@ -48,7 +48,8 @@ from .config import PeerConfig
 from .observe.events import EventLog
 from .observe.inner_progress import InnerProgress
 from .round_record import Exchange, InnerResult, RoundRecord
-from .state.state_sync import StateSync, swarm_target
+from .state.state_sync import StateSync
+from .state.target import swarm_target
 from .swarm.progress import ReadyDecision, SwarmProgress
 from .training.outer_optimizer import OuterOptimizer, evaluate_outer, overlap_offset
 from .training.trainer import ComputeThread, Trainer
@@ -376,9 +377,7 @@ class OuterRounds:
         await self.progress.publish(epoch=self.outer.epoch, round=next_round,
                                     inner_step=self.trainer.step, ready=False, state_hash=self.sync.state_hash,
                                     joined=True)
-        stages = "".join(f", {stage} {seconds:.2f}s" for stage, seconds in result.stages.items())
-        logger.info(f"state sync: now at epoch {self.outer.epoch} ({result.bytes / 1e6:.2f} MB from "
-                    f"{result.donor[-8:]} in {result.seconds:.2f}s{stages})")
+        logger.info(f"state sync: now at epoch {self.outer.epoch} ({result.summary()})")
         return True
 
     async def _distrust(self, target, result) -> None:

@@ -23,6 +23,7 @@ from diloco_peer.averaging.robust_aggregation import (
     CheckedPartReducer,
     Limits,
     aggregate,
+    all_finite,
     capped_bandwidths,
     check_arrival,
     check_average,
@@ -46,6 +47,23 @@ def _kind(fn, *args) -> str:
     except BadContribution as e:
         return e.kind
     return ""
+
+
+def test_all_finite_finds_one_nan_or_infinity_anywhere():
+    """``all_finite`` reads a tensor's min and max (one pass, no bool per value): a NaN must make both NaN wherever it
+    lies, also inside a vectorized block and in the tail after the last full one."""
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(1_000_003, generator=gen)
+    kinds = [base * 1e30, base.to(torch.float16), base.to(torch.bfloat16)]  # (fp32: large, still finite)
+    assert all(all_finite(v) for v in kinds) and all_finite(torch.empty(0)) and all_finite(base.view(-1, 1)[::7])
+    positions = [0, 1, 7, 8, 15, 16, 31, 500_001, 999_999, 1_000_002]
+    positions += torch.randint(0, base.numel(), (20,), generator=gen).tolist()
+    for values in kinds:
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            for position in positions:
+                poisoned = values.clone()
+                poisoned[position] = bad
+                assert not all_finite(poisoned), (values.dtype, bad, position)
 
 
 def test_a_part_is_checked_on_arrival():

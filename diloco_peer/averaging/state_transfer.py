@@ -280,8 +280,7 @@ async def download(averager, donor: str, timeout: float, into: list[torch.Tensor
         return tensor  # not our state's shape: kept as it came, for the checks to refuse with a clear message
 
     total, started = sum(t.numel() * t.element_size() for t in staging[start:]), time.monotonic()
-    bound = "at most " if rounds is not None else ""  # (logged rounds may come as fp16 or bf16: half the fp32 size)
-    reported = started
+    bound, reported = "at most " if rounds is not None else "", started  # (logged rounds may come as fp16: half)
     messages = aiter_with_timeout(stream, timeout=timeout)
     try:
         async for message in messages:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info, generate_latest
 
 from .. import __version__
-from ..state.state_sync import swarm_target
+from ..state.target import swarm_target
 from ..swarm.progress import ProgressRecord, quorum_epoch
 from ..swarm.reachability import MODES
 

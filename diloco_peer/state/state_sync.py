@@ -3,17 +3,9 @@
 Who needs it: a newcomer, a peer restarted from an old checkpoint, a straggler whose round went on without it,
 and a peer whose weights left the swarm's (a solo step while the others averaged, or a reducer that died
 mid-all-reduce and left its shard un-averaged). All are detected the same way, from the signed progress records:
-each peer publishes its outer ``epoch`` and ``state_hash`` (``state_sha256``: one sha256 over everything a donor
-serves: outer weights, Nesterov momentum, epoch and inner LR position). The *target* (``swarm_target``) is the
-swarm's epoch by quorum (``progress.quorum_epoch``: the highest epoch a strict majority of the joined peers have
-reached, never what one peer claims) and, at that epoch, the hash most of its voting peers hold (ties: the
-smallest hash, so every peer picks the same one). A peer whose (epoch, hash) differs from the target syncs;
-peers holding the target serve it.
-
-Known limit of the hash rule: peers that averaged together hold the same hash, so a liar cannot outvote them. Right
-after a failed all-reduce, though, every peer may hold a state of its own; the tie then goes to the smallest hash so
-that honest peers reconverge, and a liar that publishes a state at that epoch with a hash it ground to be small wins
-it. Keeping our own state on a tie instead would leave honest replicas apart for good after every failed round.
+each peer publishes its outer ``epoch`` and ``state_hash``, and a peer whose (epoch, hash) differs from the
+swarm's *target* syncs (``state/target.py``: the hash, the target and the limit of that rule); peers holding the
+target serve it.
 
 What is transferred: outer weights and Nesterov momentum (fp32), the outer epoch and the inner LR-schedule
 position. The inner AdamW moments stay local (they describe this peer's own shard).
@@ -38,12 +30,11 @@ not what the peer published), ``corrupt_state:nan`` NaN weights; ``lie_epoch:N``
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,54 +42,21 @@ import torch
 
 from ..averaging import round_log
 from ..averaging.pseudo_gradient_averager import PseudoGradientAverager
+from ..averaging.robust_aggregation import all_finite
 from ..averaging.state_files import SpilledTensor, staging_for
 from ..averaging.state_transfer import DIGESTS
 from ..config import AveragingConfig
 from ..config.faults import NO_FAULTS, Faults
 from ..lifecycle import hivemind_calls
-from ..swarm.progress import QUORUM, ProgressRecord, quorum_epoch, voters
 from ..training.model import param_sha256, state_digest
 from ..training.outer_optimizer import OuterOptimizer
+from .target import Target
 
 logger = logging.getLogger(__name__)
 
 FALLING_BEHIND = 3
 """Syncs in a row with no outer step of our own between them: at this many, the peer says why it is not catching
 up (a joiner whose download outlasts the swarm's rounds arrives one epoch late every time, and downloads again)."""
-
-
-def state_sha256(params: list[torch.Tensor], momentum: list[torch.Tensor], epoch: int, inner_step: int) -> str:
-    """The hash a peer publishes of its state: equal iff every part of what a donor serves is bit-identical.
-
-    The momentum is in it: honest peers' buffers are bit-identical too (the same averages, the same step), and
-    a state sync replaces ours with the donor's, so a donor could otherwise poison us through it (momentum x100
-    was accepted before: the newcomer's loss went from ~2.4 to 87). Epoch and LR position are in it for the same
-    reason: every field of a served state is checked against what its holders agree on, or it is not served.
-    It hashes one digest per tensor (``model.state_digest``): a donor lists them, and a download broken off
-    resumes from another donor after the tensors that matched them.
-    """
-    return state_digest([param_sha256([t]) for t in [*params, *momentum]], epoch, inner_step)
-
-
-@dataclass(frozen=True)
-class Target:
-    epoch: int
-    state_hash: str
-    holders: list[str]
-    """Peer ids that publish exactly this state."""
-
-
-def swarm_target(records: list[ProgressRecord], quorum: float = QUORUM) -> Target | None:
-    """The state the swarm agrees on: its epoch by quorum (``progress.quorum_epoch``), and the hash most of
-    the voting peers at that epoch hold; None if no record carries a state."""
-    records = [r for r in records if r.state_hash]
-    epoch = quorum_epoch(records, quorum)
-    if epoch is None:
-        return None
-    at_epoch = [r for r in voters(records) if r.epoch == epoch]
-    counts = collections.Counter(r.state_hash for r in at_epoch)
-    state_hash = min(counts, key=lambda h: (-counts[h], h))
-    return Target(epoch, state_hash, [r.peer_id for r in at_epoch if r.state_hash == state_hash])
 
 
 @dataclass
@@ -126,8 +84,10 @@ class SyncResult:
     ``download``, ``check`` (shapes, finite values, hashes) and ``load`` (into the outer weights and the replica).
     At GB scale they say where a sync's time goes (a 1B joiner spent ~30 s between its download and the next)."""
 
-    def timed(self, stage: str, started: float) -> None:
-        self.stages[stage] = round(self.stages.get(stage, 0.0) + time.perf_counter() - started, 3)
+    def summary(self) -> str:
+        """What came from where, and how long each stage took (a state taken as kept ran none)."""
+        stages = "".join(f", {stage} {seconds:.2f}s" for stage, seconds in self.stages.items())
+        return f"{self.bytes / 1e6:.2f} MB from {self.donor[-8:]} in {self.seconds:.2f}s{stages}"
 
     def after(self, earlier: "SyncResult") -> "SyncResult":
         """This retry with an ``earlier`` attempt's cost and donor errors added: one record of the whole sync."""
@@ -140,6 +100,15 @@ class SyncResult:
         self.donor_errors[:0] = earlier.donor_errors
         self.rejected[:0] = earlier.rejected
         return self
+
+
+async def _timed(result: SyncResult, stage: str, work: Awaitable):
+    """``await work``, its seconds added to ``result.stages[stage]`` (also when it fails)."""
+    started = time.perf_counter()
+    try:
+        return await work
+    finally:
+        result.stages[stage] = round(result.stages.get(stage, 0.0) + time.perf_counter() - started, 3)
 
 
 class StateSync:
@@ -247,7 +216,7 @@ class StateSync:
             if theirs.shape != mine.shape or theirs.dtype != torch.float32:
                 return f"a tensor has shape {tuple(theirs.shape)} {theirs.dtype}, expected {tuple(mine.shape)} float32"
             values = theirs.load() if isinstance(theirs, SpilledTensor) else theirs  # (read from its file once)
-            if not torch.isfinite(values).all():
+            if not all_finite(values):
                 return "it sent non-finite values"
             digests.append(param_sha256([values]))
         self.checked = digests
@@ -339,17 +308,13 @@ class StateSync:
         staging = staging_for(self.outer.params, self.outer.momentum_views, self.averager.served.spill_dir)
         resume = torch.zeros(1, dtype=torch.int64).share_memory_()
         try:
-            stage, behind = time.perf_counter(), target.epoch - self.outer.epoch
-            replayed = await self._replay(target, donors, result)
-            if donors and 0 < behind <= self.cfg.log_rounds:  # (tried: they may have had them)
-                result.timed("rounds", stage)
-            queue = [] if replayed else list(donors)
+            queue = [] if await self._replay(target, donors, result) else list(donors)
             while queue and result.attempts < self.cfg.sync_attempts and not should_stop():
                 donor = queue.pop(0)
                 result.attempts += 1
-                stage = time.perf_counter()
                 try:
-                    metadata, tensors, received = await self._download(donor, target, staging, resume, should_stop)
+                    metadata, tensors, received = await _timed(
+                        result, "download", self._download(donor, target, staging, resume, should_stop))
                 except asyncio.CancelledError:
                     if not should_stop():
                         raise  # cancelled from outside: not ours to swallow
@@ -361,20 +326,14 @@ class StateSync:
                     logger.warning(f"state sync: {result.error}; trying another donor")
                     queue.append(donor)  # a timeout or a broken stream may pass: it may be tried again, last
                     continue
-                finally:
-                    result.timed("download", stage)
                 result.bytes += received
-                stage = time.perf_counter()
-                problem = await asyncio.to_thread(self._check, metadata, tensors, target)
-                result.timed("check", stage)
+                problem = await _timed(result, "check", asyncio.to_thread(self._check, metadata, tensors, target))
                 if problem:
                     self._refused(donor, metadata, tensors, target, problem, result)
                     if result.later is not None:
                         break  # the swarm stepped on: ask for its new target (a later donor would overwrite this)
                     continue
-                stage = time.perf_counter()
-                await self._load(tensors, target, self.checked)
-                result.timed("load", stage)
+                await _timed(result, "load", self._load(tensors, target, self.checked))
                 result.ok, result.donor, result.epoch = True, donor, target.epoch
                 break
             if not donors:
@@ -385,13 +344,17 @@ class StateSync:
         return self._count_behind(result, count)
 
     async def _replay(self, target: Target, donors: list[str], result: SyncResult) -> bool:
-        """Catch up with the rounds a donor logged since our state (``round_log.replay``), if it has them."""
-        replayed = await round_log.replay(self.averager, self.outer, self.state_hash, target, self.inner_steps,
-                                          self.cfg.sync_timeout, donors, self.cfg.log_rounds)
+        """Catch up with the rounds a donor logged since our state (``round_log.replay``), if it has them: asked
+        whenever we are at most ``averaging.log_rounds`` behind (the ``rounds`` stage, loading included)."""
+        if not donors or not 0 < target.epoch - self.outer.epoch <= self.cfg.log_rounds:
+            return False
+        replayed = await _timed(result, "rounds", round_log.replay(
+            self.averager, self.outer, self.state_hash, target, self.inner_steps, self.cfg.sync_timeout, donors,
+            self.cfg.log_rounds))
         if replayed is None:
             return False
         result.rounds, (result.donor, state, digests, result.bytes) = target.epoch - self.outer.epoch, replayed
-        await self._load(state, target, digests)
+        await _timed(result, "rounds", self._load(state, target, digests))
         result.ok, result.epoch, result.attempts = True, target.epoch, 1
         return True
 

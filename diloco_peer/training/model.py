@@ -157,8 +157,9 @@ def num_parameters(model: nn.Module) -> int:
 
 
 def state_digest(digests: list[str], epoch: int, inner_step: int) -> str:
-    """The hash a peer publishes of its state (``state_sync.state_sha256``), from the ``param_sha256([t])`` of each
-    of its tensors (outer weights, then momentum): a download can check each tensor on its own as it arrives."""
+    """The hash a peer publishes of its state (``state_sha256`` in ``state/target.py``), from the ``param_sha256([t])``
+    of each of its tensors (outer weights, then momentum): a download can check each tensor on its own as it
+    arrives."""
     digest = hashlib.sha256(f"epoch={epoch};inner_step={inner_step};".encode())
     for tensor_digest in digests:
         digest.update(tensor_digest.encode())
