@@ -14,6 +14,7 @@ import torch
 from conftest import FAST
 from hivemind.averaging.load_balancing import load_balance_peers
 
+from diloco_peer.averaging.allreduce import ExactAllReduceRunner
 from diloco_peer.averaging.averager import RoundAverager
 from diloco_peer.averaging.pseudo_gradient_averager import PseudoGradientAverager
 from diloco_peer.averaging.robust_aggregation import (
@@ -177,12 +178,22 @@ def test_a_part_slightly_against_the_group_is_refused_but_counts_towards_a_ban_o
         assert ("not counted towards a ban" in refused[0][1].detail) is not counts
         every = Limits(robust=True, ban_cosine=0.0)  # ban_cosine = min_cosine: every direction refusal counts
         assert [p.counts for _, p in aggregate(parts, own=0, limits=every)[1]] == [True]
-        try:  # the same rule for an average a reducer sends back, judged against our own part
-            check_average(part, base, Limits(robust=True))
-        except BadContribution as e:
-            assert (e.kind, e.counts) == ("direction", counts)
-        else:
-            raise AssertionError("the average was not refused")
+        assert _kind(check_average, part, base, Limits(robust=True)) == "direction"  # (counted: settle_disputes)
+
+
+def test_a_member_counts_a_reducers_rotated_averages_only_if_another_reducers_averages_agreed():
+    """A member judges the averages a reducer sends back against its own part alone. The honest home1 of the CI run,
+    off for three rounds, refused every reducer's averages that way and banned them all; a reducer that rotates the
+    averages it returns is refused by members whose other reducers agree with them."""
+    reported = []
+    problem = BadContribution("direction", "averaged part's cosine with ours -0.12 (averaging.min_cosine=0)")
+    for agreed, counts in ((set(), False), ({"honest reducer"}, True)):
+        runner = types.SimpleNamespace(_disputed=[("rotating reducer", problem)], _agreed=agreed,
+                                       _on_offense=lambda peer, p: reported.append((peer, p.kind, p.counts, p.detail)))
+        ExactAllReduceRunner.settle_disputes(runner)
+        peer, kind, counted, detail = reported.pop()
+        assert (peer, kind, counted, runner._disputed) == ("rotating reducer", "direction", counts, [])
+        assert ("no other reducer's averages agreed" in detail) is not counts and detail.startswith(problem.detail)
 
 
 def test_a_refusal_that_does_not_count_is_reported_but_bans_nobody():
@@ -291,6 +302,7 @@ async def _average_all(averagers, inputs, epoch):
     ("shape", "shape", "mean"),
     ("weight", "weight", "mean"),
     ("signflip", "direction", "robust"),
+    ("averages", "direction", "robust"),  # a bad reducer: its negated averages refused by members, it banned
 ])
 def test_a_bad_sender_is_dropped_counted_and_banned(dhts, poison, kind, aggregation):
     cfg = CFG.model_copy(update={"aggregation": aggregation})

@@ -87,6 +87,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_container.return_deltas = False
         self._traffic = traffic
         self._replying = 0  # reply streams to other members still open (their last bytes not yet counted)
+        self._disputed: list[tuple[PeerID, BadContribution]] = []  # reducers whose averages we refused by direction
+        self._agreed: set[PeerID] = set()  # reducers (not us) whose every average passed our checks
         self._replies_done = asyncio.Event()
         self._replies_done.set()
         self._compression = self.tensor_part_container.compression
@@ -147,6 +149,20 @@ class ExactAllReduceRunner(AllReduceRunner):
             self._replying -= 1
             if self._replying == 0:
                 self._replies_done.set()
+
+    def settle_disputes(self) -> None:
+        """Report the reducers whose averages we refused by direction, once the all-reduce is over. Such a refusal
+        is judged against our own part alone, so it counts towards a ban only if another reducer's averages passed
+        the same check: then the group agrees with us and that reducer is the odd one out (one that rotates the
+        averages it returns is banned by the members it reduces for). If no other reducer's did, we may be the one
+        off (an honest peer in CI refused every reducer's averages for three rounds, banned them all and trained
+        alone): refused, not counted; the round's un-averaged values make us check our state against the swarm's."""
+        for peer_id, problem in self._disputed:
+            if not self._agreed:
+                problem = BadContribution(problem.kind, f"{problem.detail}; not counted towards a ban: no other "
+                                                        f"reducer's averages agreed with our part", counts=False)
+            self._on_offense(peer_id, problem)
+        self._disputed.clear()
 
     async def wait_for_replies(self, timeout: float) -> None:
         """Wait (at most ``timeout``) until we have answered every member whose parts we reduce.
@@ -217,11 +233,15 @@ class ExactAllReduceRunner(AllReduceRunner):
                         raise BadContribution("shape", f"more than the {len(own_parts)} averaged parts expected")
                     check_average(averaged, own_parts[part_index], self._limits)
                 except BadContribution as problem:
-                    self._on_offense(peer_id, problem)
+                    if problem.kind == "direction":
+                        self._disputed.append((peer_id, problem))  # judged once all reducers are done
+                    else:
+                        self._on_offense(peer_id, problem)
                     raise AllreduceException(f"refused the average of reducer {peer_id}: {problem}") from None
                 self._register(peer_index, part_index, averaged)
                 part_index += 1
                 if part_index == expected:
+                    self._agreed.add(peer_id)
                     break
         finally:
             await replies.aclose()
@@ -253,7 +273,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     break
                 except BannedException:
                     break
-                serialized = await loop.run_in_executor(None, self._encode, averaged)
+                serialized = await loop.run_in_executor(None, self._encode, self._faults.poisoned_reply(averaged))
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

@@ -377,8 +377,11 @@ class PseudoGradientAverager(DecentralizedAverager):
             internals.forbid_retries(self._step_control)
         # the runner reads our pseudo-gradient from ``inputs`` and the averages go to ``tensors``: a retry after a
         # failure (hivemind retries with the same tensors) reads our own values again, and no copy is needed
-        async for tensor, averaged in azip(as_aiter(*tensors), runner):
-            tensor.copy_(averaged)
+        try:
+            async for tensor, averaged in azip(as_aiter(*tensors), runner):
+                tensor.copy_(averaged)
+        finally:
+            runner.settle_disputes()
         # by now every sender has started streaming to us (our last part needed all of theirs)
         await runner.wait_for_replies(timeout=runner.reducer_timeout or 5.0)
         self.traffic[FAILED_VALUES] += runner.tensor_part_container.failed_size

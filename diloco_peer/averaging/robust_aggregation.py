@@ -87,9 +87,9 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def _direction(what: str, cosine: float, limits: Limits) -> BadContribution:
-    """A direction refusal. The cosine is a judgment, not a proof: an honest peer whose part is off for a while
-    (seen: -0.01 to -0.20 after a relay loss) is refused but not counted towards a ban unless it points clearly
-    against us (below ``ban_cosine``; a sign flip measured -0.77 to -0.97). A refused part never reaches the
+    """A reducer's direction refusal. The cosine is a judgment, not a proof: an honest peer whose part is off for a
+    while (seen: -0.01 to -0.20 after a relay loss) is refused but not counted towards a ban unless it points clearly
+    against the group (below ``ban_cosine``; a sign flip measured -0.77 to -0.97). A refused part never reaches the
     average either way."""
     counts = cosine < limits.ban_cosine
     note = "" if counts else f"; not counted towards a ban (averaging.ban_cosine={limits.ban_cosine:g})"
@@ -167,8 +167,9 @@ def check_average(averaged: torch.Tensor, own_part: torch.Tensor, limits: Limits
     if limits.robust and own_norm > 0 and norm > 0 and own_part.numel() >= MIN_DIRECTION_VALUES:
         cosine = float(torch.nn.functional.cosine_similarity(averaged.double().flatten(),
                                                              own_part.double().flatten(), dim=0))
-        if cosine < limits.min_cosine:
-            raise _direction("averaged part's cosine with ours", cosine, limits)
+        if cosine < limits.min_cosine:  # (counted or not: ``allreduce.ExactAllReduceRunner.settle_disputes``)
+            raise BadContribution("direction", f"averaged part's cosine with ours {cosine:.2f} "
+                                               f"(averaging.min_cosine={limits.min_cosine:g})")
 
 
 MAX_BANDWIDTH_RATIO = 1.0

@@ -16,6 +16,7 @@ One fault at a time:
   reducer that has received a first part and answered nobody yet: the worst moment for the others;
 - ``poison:nan`` / ``poison:X`` / ``poison:signflip``: send NaNs / our pseudo-gradient times X / its negation;
   ``poison:shape`` sends every part one value short (a buggy fork); ``poison:weight`` claims 1e12 tokens;
+  ``poison:averages`` sends honestly but, as a reducer, returns every average negated (our own stays true);
 - ``lie_epoch:N``: publish epoch N in every progress record (with the hash of our real weights) and serve our
   state as epoch N; everything else honestly;
 - ``corrupt_state`` (or ``corrupt_state:noise``): serve weights off by 1e-3 (finite, plausible, not what we
@@ -46,7 +47,7 @@ FAULT_ENV = "DILOCO_PEER_FAULT"
 KINDS = ("crash_in_allreduce", "poison", "lie_epoch", "corrupt_state", "slow_serve", "break_serve", "stall_serve",
          "refuse_round")
 """The faults there are; a peer runs with one at most."""
-GRAMMAR = ("crash_in_allreduce:N, poison:nan|signflip|shape|weight|X, lie_epoch:N, corrupt_state[:nan], "
+GRAMMAR = ("crash_in_allreduce:N, poison:nan|signflip|shape|weight|averages|X, lie_epoch:N, corrupt_state[:nan], "
            "slow_serve:SECONDS, break_serve:K, stall_serve:K, refuse_round:N[,N...]")
 """The values ``FAULT_ENV`` may take, as error messages show them."""
 
@@ -59,7 +60,8 @@ class Faults:
     crash_in_allreduce: int = 0
     """Die in our N-th all-reduce (counted from 1); 0: never."""
     poison_kind: str = ""
-    """What we do to the pseudo-gradient we send: "", "nan", "signflip", "scale", "shape" or "weight"."""
+    """What we do to the pseudo-gradient we send: "", "nan", "signflip", "scale", "shape" or "weight"; or, as a
+    reducer, to the averages we return: "averages"."""
     poison_scale: float = 1.0
     """The factor of ``poison_kind == "scale"`` (``poison:X``)."""
     lie_epoch: int | None = None
@@ -83,7 +85,7 @@ class Faults:
         kind, sep, arg = text.partition(":")
         if kind == "crash_in_allreduce" and sep and re.fullmatch(r"[1-9][0-9]*", arg):
             return cls(crash_in_allreduce=int(arg))
-        if kind == "poison" and sep and arg in ("nan", "signflip", "shape", "weight"):
+        if kind == "poison" and sep and arg in ("nan", "signflip", "shape", "weight", "averages"):
             return cls(poison_kind=arg)
         if kind == "poison" and sep and _number(arg) is not None:
             return cls(poison_kind="scale", poison_scale=_number(arg))
@@ -118,6 +120,10 @@ class Faults:
                 tensor.neg_()
             elif self.poison_kind == "scale":
                 tensor.mul_(self.poison_scale)
+
+    def poisoned_reply(self, averaged):
+        """An average we return to another member as its reducer (``poison:averages``: negated)."""
+        return -averaged if self.poison_kind == "averages" else averaged
 
     def poisoned_weight(self, weight: float) -> float:
         """The weight (tokens) we claim for our pseudo-gradient (``poison:weight``: a trillion, which would

@@ -270,13 +270,14 @@ class AveragingConfig(_Section):
     """Robust aggregation: the lowest cosine similarity a part may have with the group's coordinate-wise
     median (groups of 3 or more; two cannot tell which of them is off)."""
     ban_cosine: float = Field(-0.5, ge=-1.0, le=1.0)
-    """Robust aggregation: a part refused for its direction counts towards a ban (``ban_after``) only if its
-    cosine is below this as well; between ``ban_cosine`` and ``min_cosine`` it is refused, not counted. A
+    """Robust aggregation: a part a reducer refuses for its direction counts towards a ban (``ban_after``) only if
+    its cosine is below this as well; between ``ban_cosine`` and ``min_cosine`` it is refused, not counted. A
     refusal keeps the part out of the average; a ban shuts a peer out of our groups and downloads for
     ``ban_seconds``, with no way back for an honest peer that was off for a while. Measured (tiny-cpu, H=10):
     a sign flip at -0.77 to -0.97; honest parts at 0.09 or more in clean runs, and -0.01 to -0.20 from an
     honest peer in a CI run after a relay loss, which two offenses then banned (BENCHMARKS.md). Set it to
-    ``min_cosine`` to count every direction refusal."""
+    ``min_cosine`` to count every such refusal. (A member refusing a reducer's averages by direction, judged
+    against its own part alone, counts it only if another reducer's averages passed: ``allreduce.py``.)"""
     ban_after: int = Field(2, ge=1)
     """Refused contributions (any kind) within ``ban_seconds`` after which a peer is banned: it cannot join
     our groups, be in a group we average in, or download our state."""
