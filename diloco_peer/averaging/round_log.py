@@ -18,7 +18,7 @@ round, checked lossless tensor by tensor; otherwise fp32.
 Joiner side (``replay``): ask a holder of the swarm's state for the rounds after ours, named by our epoch and state
 hash (a donor holding another chain serves nothing), only if they are fewer bytes than the state; apply each
 round's update to a copy of our state (weights in shared memory, the momentum where a state download would stage
-it, ``state_files.staging_for``), and take the result only if its ``state_sha256`` is the swarm's published hash,
+it, ``state_files.staging_for``), and take the result only if its state hash is the swarm's published hash,
 the check a downloaded state passes. Anything else (no log, a broken stream, a mismatch) falls back to downloading
 the state (``StateSync.sync``).
 """

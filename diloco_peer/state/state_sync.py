@@ -15,7 +15,7 @@ hitting one); each chunk must arrive within ``averaging.sync_timeout`` or the ne
 ``averaging.sync_attempts`` donors. A download that breaks off is not started over: the donor lists the digest of
 each tensor (their hash is the published one, ``model.state_digest``), each tensor that matched is kept, and the
 next donor sends the rest (``state_transfer.download``). A state is checked before it replaces ours: same config
-fingerprint, same tensor count and shapes, all values finite, not older than ours, and the ``state_sha256`` of what
+fingerprint, same tensor count and shapes, all values finite, not older than ours, and the state hash of what
 arrived (weights, momentum, epoch, LR position) equals the hash the donor published: a donor serving true weights
 with poisoned momentum fails it like one serving corrupt weights. Its epoch must be the swarm's (the quorum's, not
 a claim of the donor's): a donor that serves another epoch than the one it published is refused too. A donor

@@ -1,7 +1,11 @@
 """The sync target: the state the swarm agrees on, and the hash that names a state.
 
-Each peer publishes its outer ``epoch`` and ``state_hash`` (``state_sha256``: one sha256 over everything a donor
-serves: outer weights, Nesterov momentum, epoch and inner LR position). The *target* (``swarm_target``) is the
+Each peer publishes its outer ``epoch`` and ``state_hash``: one sha256 over everything a donor serves, outer weights,
+Nesterov momentum, epoch and inner LR position (``model.state_digest`` of each tensor's ``param_sha256``). The
+momentum is in it because honest peers' buffers are bit-identical too and a sync replaces ours with the donor's: a
+donor could otherwise poison us through it (momentum x100 was accepted before: the newcomer's loss went from ~2.4 to
+87); epoch and LR position for the same reason. One digest per tensor: a donor lists them, and a download broken off
+resumes from another donor after the tensors that matched. The *target* (``swarm_target``) is the
 swarm's epoch by quorum (``progress.quorum_epoch``: the highest epoch a strict majority of the joined peers have
 reached, never what one peer claims) and, at that epoch, the hash most of its voting peers hold (ties: the
 smallest hash, so every peer picks the same one). ``state_sync.py`` downloads it; ``outer_round.py`` and the
@@ -18,23 +22,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-import torch
-
 from ..swarm.progress import QUORUM, ProgressRecord, quorum_epoch, voters
-from ..training.model import param_sha256, state_digest
-
-
-def state_sha256(params: list[torch.Tensor], momentum: list[torch.Tensor], epoch: int, inner_step: int) -> str:
-    """The hash a peer publishes of its state: equal iff every part of what a donor serves is bit-identical.
-
-    The momentum is in it: honest peers' buffers are bit-identical too (the same averages, the same step), and
-    a state sync replaces ours with the donor's, so a donor could otherwise poison us through it (momentum x100
-    was accepted before: the newcomer's loss went from ~2.4 to 87). Epoch and LR position are in it for the same
-    reason: every field of a served state is checked against what its holders agree on, or it is not served.
-    It hashes one digest per tensor (``model.state_digest``): a donor lists them, and a download broken off
-    resumes from another donor after the tensors that matched them.
-    """
-    return state_digest([param_sha256([t]) for t in [*params, *momentum]], epoch, inner_step)
 
 
 @dataclass(frozen=True)

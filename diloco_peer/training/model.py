@@ -157,7 +157,7 @@ def num_parameters(model: nn.Module) -> int:
 
 
 def state_digest(digests: list[str], epoch: int, inner_step: int) -> str:
-    """The hash a peer publishes of its state (``state_sha256`` in ``state/target.py``), from the ``param_sha256([t])``
+    """The hash a peer publishes of its state (``state_hash``, ``state/target.py``), from the ``param_sha256([t])``
     of each of its tensors (outer weights, then momentum): a download can check each tensor on its own as it
     arrives."""
     digest = hashlib.sha256(f"epoch={epoch};inner_step={inner_step};".encode())
