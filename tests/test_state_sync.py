@@ -183,12 +183,17 @@ def _fp16_rounds(*peers_, rounds=1):
                 peer.sync.after_outer_step()
 
 
-def test_a_peer_rounds_behind_catches_up_with_their_logged_updates_not_the_state(peers, tmp_path):
+def test_a_peer_rounds_behind_catches_up_with_their_logged_updates_not_the_state(peers, tmp_path, monkeypatch):
     """A joiner whose download outlasted rounds downloaded the state again, and again (``FALLING_BEHIND``): the
     donor now logs the rounds that end while someone downloads, and a peer a few rounds behind computes the
     swarm's state from its own and those updates, bit-identical (its hash is the published one), for fewer bytes:
-    fp16 averages travel as fp16 (3 rounds: 6 bytes per parameter, the state is 8), fp32 ones as fp32 (1 round)."""
+    fp16 averages travel as fp16 (3 rounds: 6 bytes per parameter, the state is 8), fp32 ones as fp32 (1 round).
+    The state it computes waits for its check in a file of its spill directory, not beside ours in memory."""
     donor, newcomer = peers(), peers()
+    newcomer.averager.averager.served.spill_to(tmp_path / "joiner", 2**30)
+    made, create = [], state_files.SpilledTensors.create
+    monkeypatch.setattr(state_files.SpilledTensors, "create",
+                        lambda path, shapes: made.append((path, weakref.ref(staged := create(path, shapes)))) or staged)
     numel = sum(p.numel() for p in donor.outer.params)
     donor.advance(1)
     assert asyncio.run(newcomer.sync.sync(donor.target())).rounds == 0  # a download: the donor logs what follows
@@ -199,6 +204,10 @@ def test_a_peer_rounds_behind_catches_up_with_their_logged_updates_not_the_state
     assert newcomer.outer.epoch == 4 and newcomer.sync.state_hash == donor.sync.state_hash == newcomer.sync._own_hash()
     assert param_sha256(newcomer.outer.momentum_buffers()) == param_sha256(donor.outer.momentum_buffers())
     assert param_sha256(newcomer.outer.model.parameters()) == param_sha256(donor.outer.params)
+    replayed = [(path, ref) for path, ref in made if path.name.startswith("replay-")]
+    assert [path.parent for path, _ in replayed] == [tmp_path / "joiner"], made
+    gc.collect()
+    assert replayed[0][1]() is None and not replayed[0][0].exists(), "the replay's file outlived its state"
     donor.averager.averager.served.spill_to(tmp_path, 0)  # a big state: the log goes to files
     donor.advance(1)  # fp32: one round is half the state
     assert [p.name.split("-")[2] for p in tmp_path.glob("round-*.bin")] == ["5"]  # (round-PID-EPOCH-N.bin)

@@ -17,8 +17,8 @@ round, checked lossless tensor by tensor; otherwise fp32.
 
 Joiner side (``replay``): ask a holder of the swarm's state for the rounds after ours, named by our epoch and state
 hash (a donor holding another chain serves nothing), only if they are fewer bytes than the state; apply each
-round's update to a copy of our state (weights in shared memory, the momentum where a state download would stage
-it, ``state_files.staging_for``), and take the result only if its state hash is the swarm's published hash,
+round's update to a copy of our state, a tensor at a time, written to a file (``state_files.spilled``), and take
+the result only if its state hash is the swarm's published hash,
 the check a downloaded state passes. Anything else (no log, a broken stream, a mismatch) falls back to downloading
 the state (``StateSync.sync``).
 """
@@ -42,7 +42,7 @@ from ..swarm.p2pd_internals import until_the_caller_hangs_up
 from ..training.model import param_sha256, state_digest
 from ..training.outer_optimizer import OuterOptimizer, flat_tensors, step_tensor
 from . import hivemind_internals as internals
-from .state_files import SpilledTensor, SpilledTensors, staging_for
+from .state_files import SpilledTensor, SpilledTensors, spilled
 
 logger = logging.getLogger(__name__)
 
@@ -225,15 +225,21 @@ async def replay(averager, outer: OuterOptimizer, state_hash: str, target, inner
 @torch.no_grad()
 def _apply(outer: OuterOptimizer, updates: list, rounds: int, spill: Path | None) -> tuple[list, list[str]]:
     """A copy of ``outer``'s state moved by ``rounds`` logged updates (round-major in ``updates``), and its tensor
-    digests (``model.state_digest``)."""
+    digests (``model.state_digest``). Computed a tensor at a time; with a ``spill`` directory the result goes to a
+    file there (checked against the swarm's hash before it replaces ours, it would otherwise be a second state in
+    memory beside ours: 8 bytes per parameter, the CPU joiner's peak), else to memory."""
     n = len(outer.params)
-    state = staging_for(outer.params, outer.momentum_views, spill)
+    shapes = [p.shape for p in outer.params] * 2
+    state = (spilled(spill, "replay", shapes) if spill is not None else None) or flat_tensors(shapes)
+    digests = [""] * (2 * n)
     for i, (param, buf) in enumerate(zip(outer.params, outer.momentum_views)):
-        weights, momentum = state[i].copy_(param), buf.detach().to("cpu", torch.float32, copy=True)
+        weights = param.detach().to("cpu", torch.float32, copy=True)
+        momentum = buf.detach().to("cpu", torch.float32, copy=True)
         for r in range(rounds):
             update = updates[r * n + i]
             update = update.load() if isinstance(update, SpilledTensor) else update
             step_tensor(weights, momentum, update, outer.lr, outer.momentum, outer.nesterov)
-        state[n + i].copy_(momentum)
-    digests = [param_sha256([t.load() if isinstance(t, SpilledTensor) else t]) for t in state]
+        for j, value in ((i, weights), (n + i, momentum)):
+            digests[j] = param_sha256([value])
+            state[j].copy_(value)
     return state, digests

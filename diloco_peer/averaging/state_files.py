@@ -1,13 +1,15 @@
 """A state's tensors in a file instead of memory: what a GB-scale peer would otherwise hold twice.
 
-Three users, all in ``state_transfer.py`` and ``state/state_sync.py``:
+Four users, in ``state_transfer.py``, ``round_log.py`` and ``state/state_sync.py``:
 
 - a donor whose state changes during a download writes the part that download has not read yet to a file
   (``ServedStates.freeze``);
 - a GPU peer serves its momentum, which the averager process cannot read where it lives, from a copy written
   for each download (``ServedStates.readable``);
 - a GPU peer downloads the momentum half of a state into a file (``staging_for``): checked, then copied
-  onto its GPU tensor by tensor, it never needs 4 bytes per parameter of the host's memory.
+  onto its GPU tensor by tensor, it never needs 4 bytes per parameter of the host's memory;
+- a peer that catches up with logged rounds writes the state it computes to a file (``round_log.replay``) until
+  its hash is checked: our own state and a second one would otherwise both be in memory.
 
 The page cache holds these files (the kernel may evict them); nothing maps them, so they are in no process's
 memory. ``SpilledTensors`` pickles as its path and layout: the averager process opens the file the host made.
@@ -29,7 +31,7 @@ import torch
 from ..training.outer_optimizer import flat_tensors
 
 logger = logging.getLogger(__name__)
-_staged = itertools.count(1)  # names the files downloads stage a momentum in (``staging_for``)
+_staged = itertools.count(1)  # numbers the files states are staged in (``spilled``)
 
 
 class SpilledTensors:
@@ -140,6 +142,21 @@ class SpilledTensor:
         return self
 
 
+def spilled(spill_dir: Path, name: str, shapes: list[torch.Size]) -> list[SpilledTensor] | None:
+    """A new fp32 file of ``shapes`` in ``spill_dir`` as a state's tensor list, or None (logged) if it cannot be
+    made there. The file goes when the last reference to it does."""
+    path = spill_dir / f"{name}-{os.getpid()}-{next(_staged)}.bin"
+    try:
+        spill_dir.mkdir(parents=True, exist_ok=True)
+        staged = SpilledTensors.create(path, shapes)
+    except OSError as e:
+        path.unlink(missing_ok=True)
+        logger.warning(f"state sync: could not make {path} ({e}); keeping that state in memory")
+        return None
+    weakref.finalize(staged, path.unlink, missing_ok=True)
+    return staged.items()
+
+
 def staging_for(params: list[torch.Tensor], momentum: list[torch.Tensor], spill_dir: Path | None) -> list:
     """Where a download of a state shaped like ``params`` (weights, then momentum) lands: one shared-memory buffer
     (8 bytes per parameter), or, for a ``momentum`` kept off the host (a GPU peer's, ``outer.momentum_on``; any
@@ -149,14 +166,5 @@ def staging_for(params: list[torch.Tensor], momentum: list[torch.Tensor], spill_
     shapes = [p.shape for p in params]
     if spill_dir is None or all(t.device.type == "cpu" and t.is_shared() for t in momentum):
         return flat_tensors(shapes * 2, shared=True)
-    path = spill_dir / f"download-{os.getpid()}-{next(_staged)}.bin"
-    try:
-        spill_dir.mkdir(parents=True, exist_ok=True)
-        staged = SpilledTensors.create(path, shapes)
-    except OSError as e:
-        path.unlink(missing_ok=True)
-        logger.warning(f"state sync: could not make {path} for the download's momentum ({e}); downloading it into "
-                       f"memory")
-        return flat_tensors(shapes * 2, shared=True)
-    weakref.finalize(staged, path.unlink, missing_ok=True)
-    return flat_tensors(shapes, shared=True) + staged.items()
+    staged = spilled(spill_dir, "download", shapes)
+    return flat_tensors(shapes * 2, shared=True) if staged is None else flat_tensors(shapes, shared=True) + staged
