@@ -49,7 +49,7 @@ from .observe.events import EventLog
 from .observe.inner_progress import InnerProgress
 from .round_record import Exchange, InnerResult, RoundRecord
 from .state.state_sync import StateSync
-from .state.target import swarm_target
+from .state.target import after_failed_sync, swarm_target
 from .swarm.progress import ReadyDecision, SwarmProgress
 from .training.outer_optimizer import OuterOptimizer, evaluate_outer, overlap_offset
 from .training.trainer import ComputeThread, Trainer
@@ -351,11 +351,13 @@ class OuterRounds:
         self.downloads += 1
         if self.averager.in_place:  # the round's one buffer holds nothing the replica cannot give again: its 4
             self.averager.release()  # bytes per parameter go back before the download's staging buffer fills up
+        await self._heading_for(target.epoch)
         result = await self.sync.sync(target, self.should_stop)
         for _ in range(3):  # the swarm stepped on meanwhile: sync again (a few rounds: their updates, round_log.py)
             if not (result.moved_on or result.ok) or self.should_stop() or not self.sync.needs_sync(
                     target := swarm_target(await self.progress.swarm_records())):
                 break
+            await self._heading_for(target.epoch)
             retry = await self.sync.sync(target, self.should_stop, reuse=result, count=False)
             if result.ok and not retry.ok:
                 break  # we hold the state the first one brought: the next gate tries again
@@ -366,7 +368,10 @@ class OuterRounds:
                           stages=result.stages)
         if not result.ok:
             logger.warning(f"state sync failed ({result.error}); will try again at the next round")
-            await self._distrust(target, result)
+            await self._heading_for(self.outer.epoch)
+            if not self.should_stop():
+                await after_failed_sync(self.progress, target, result, self.sync.needs_sync,
+                                        2 * self.cfg.averaging.ready_timeout)
             return False
         # the inner LR-schedule position: the round after the synced epoch (overlapped: the round after that,
         # which the swarm trains while it averages the synced epoch's)
@@ -380,21 +385,9 @@ class OuterRounds:
         logger.info(f"state sync: now at epoch {self.outer.epoch} ({result.summary()})")
         return True
 
-    async def _distrust(self, target, result) -> None:
-        """After a failed sync: stop counting the claims that did not hold, and join the swarm the other records
-        describe if we hold its state. A lie (a peer that claims a state it cannot serve) then neither keeps us
-        from joining nor stays the target; every peer finds that out for itself, with one failed sync."""
-        if self.should_stop():
-            return
-        for donor in set(result.rejected):  # served another epoch or state than it publishes: for good
-            self.progress.distrust(donor, target.epoch, target.state_hash)
-        others = [p for p in target.holders if p != self.progress.record.peer_id]
-        if not self.progress.record.joined and len(others) == 1 and not result.rejected and not result.moved_on:
-            # a claim nobody else confirms and its one holder did not serve, while we look for the swarm to join:
-            # maybe the network, maybe a lie (once joined, we simply try again at the next round)
-            self.progress.distrust(others[0], target.epoch, target.state_hash, 2 * self.cfg.averaging.ready_timeout)
-        if not self.progress.record.joined and not self.sync.needs_sync(swarm_target(
-                await self.progress.swarm_records())):
-            logger.warning(f"state sync: the state of epoch {target.epoch} that {len(others)} peer(s) claim could "
-                           f"not be had; joining the swarm the other peers describe")
-            await self.progress.publish(joined=True)
+    async def _heading_for(self, epoch: int) -> None:
+        """Blocking, joined: our record says we sync towards the round of ``epoch`` (``round``), so that its gate
+        waits for us, ``ready_timeout`` at most (``wait_until_ready``): a joiner one round behind at every gate
+        (a catch-up outlasting the others' round at short H) averaged no round at all."""
+        if not self.overlapped and self.progress.record.joined and self.progress.record.round != epoch:
+            await self.progress.publish(round=epoch, ready=False)

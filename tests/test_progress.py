@@ -212,6 +212,35 @@ def test_gate_waits_for_stragglers_then_for_nobody(two_dhts):
     assert everyone.ready == 2 and everyone.waited < 5 and "all peers" in everyone.reason
 
 
+def test_gate_waits_for_a_joined_peer_syncing_towards_its_round(two_dhts, attacker):
+    """A joiner one round behind at every gate (its catch-up outlasted the others' round at H=2) never averaged:
+    a joined peer whose record says it syncs towards our round is waited for, ``ready_timeout`` at most; one
+    merely behind, or a newcomer that has not joined yet (its first download may take an hour), is not."""
+    dht_a, dht_b = two_dhts
+
+    async def scenario():
+        a = SwarmProgress(dht_a, RUN, "peer-a", heartbeat=5)
+        b = SwarmProgress(dht_b, RUN, "peer-b", heartbeat=5)
+        c = SwarmProgress(attacker, RUN, "peer-c", heartbeat=5)  # (an honest third: the swarm is at a's epoch)
+        await c.publish(epoch=5, round=5, ready=True, joined=True)
+        await a.publish(epoch=5, round=5, ready=True, joined=True)
+        decisions = []
+        for record in (dict(epoch=4, round=4, ready=True, joined=True),  # behind, not syncing: not waited for
+                       dict(epoch=4, round=5, ready=False, joined=False),  # a newcomer's first download
+                       dict(epoch=4, round=5, ready=False, joined=True)):  # syncing towards epoch 5: waited for
+            await b.publish(**record)
+            decisions.append(await a.wait_until_ready(min_peers=1, min_peers_timeout=30, ready_timeout=1.5))
+        await b.publish(epoch=5, round=5, ready=True)  # synced and trained: everyone
+        decisions.append(await a.wait_until_ready(min_peers=1, min_peers_timeout=30, ready_timeout=30))
+        return decisions
+
+    behind, newcomer, syncing, synced = asyncio.run(scenario())
+    for decision in (behind, newcomer):
+        assert decision.ready == 2 and decision.waited < 1.0 and "all peers" in decision.reason, decision
+    assert syncing.ready == 2 and syncing.waited >= 1.5 and "stragglers" in syncing.reason, syncing
+    assert synced.ready == 3 and synced.waited < 5 and "all peers" in synced.reason, synced
+
+
 def test_a_peer_ahead_of_the_swarm_waits_for_it_instead_of_running_on_alone(two_dhts):
     """After a round that failed only for us (a solo step), we are at an epoch nobody else is at yet: not waiting
     would mean a solo step every round, further ahead each time (seen in the emulated internet)."""

@@ -386,7 +386,7 @@ def test_a_donor_serving_the_true_weights_with_poisoned_momentum_or_lr_position_
     reason = "the state it sent (weights, momentum, epoch, LR position) does not match the hash it published"
     assert not result.ok and result.donor_errors == [f"donor {bad.id[-8:]} rejected: {reason}"], result
     assert newcomer.outer.epoch == 0 and newcomer.sync.state_hash != good.sync.state_hash  # ours untouched
-    assert result.rejected == [bad.id]  # the claim that named it is distrusted (OuterRounds._distrust)
+    assert result.rejected == [bad.id]  # the claim that named it is distrusted (target.after_failed_sync)
     offenses, deadline = [], time.monotonic() + (3 if poison.endswith("self-consistent") else 10)
     while not offenses and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -98,7 +98,8 @@ class ProgressRecord(BaseModel):  # pydantic v1: hivemind's SchemaValidator spea
     """True once the peer finished the inner steps of ``epoch`` and waits for the round."""
     round: conint(ge=0, strict=True) = 0
     """The round this peer trains now: its pseudo-gradient will be averaged under this epoch. Equal to
-    ``epoch`` in blocking mode; in overlapped mode one more once the peer sent ``epoch``'s."""
+    ``epoch`` in blocking mode (more while it syncs towards a later epoch: the round it trains next); in
+    overlapped mode one more once the peer sent ``epoch``'s."""
     state_hash: StrictStr = ""
     """sha256 of the peer's outer weights at ``epoch``: peers that agree hold the same bytes."""
     joined: StrictBool = True
@@ -327,7 +328,8 @@ class SwarmProgress:
         """Wait until the round of our epoch may start; we must have published ``ready=True`` already.
 
         The round starts when (a) at least ``min_peers`` peers are alive and (b) every live peer at our
-        epoch is ready. It starts anyway after ``ready_timeout`` seconds of (a), leaving stragglers behind,
+        epoch is ready; a joined peer behind us whose record says it syncs towards our round (``round``) counts
+        as one of them, not ready (a joiner one round behind at every gate never averaged). It starts anyway after ``ready_timeout`` seconds of (a), leaving stragglers behind,
         or after ``min_peers_timeout`` seconds without (a), with whoever is there. Returns early (with
         reason "stopping") as soon as ``should_stop()`` is true, so that a leaving peer never waits here.
 
@@ -335,8 +337,8 @@ class SwarmProgress:
         record says they train the round of our epoch (``round``); a peer that sent it is at our epoch and
         ready (and already trains the next round).
 
-        Liars can only delay or hurry a round, within bounds: one that claims our epoch and never gets ready
-        holds the gate ``ready_timeout`` at most; fake peers can fill ``min_peers`` early (the first round then
+        Liars can only delay or hurry a round, within bounds: one that claims our epoch (or to sync towards
+        it) and never gets ready holds the gate ``ready_timeout`` at most; fake peers can fill ``min_peers`` early (the first round then
         starts with fewer real peers, or waits ``min_peers_timeout`` at most); one that claims to be ready and
         never shows up in matchmaking costs a matchmaking timeout and a solo step. A peer at another epoch
         (``lie_epoch``) is not waited for at all, unless most peers are behind us (``quorum_epoch``): then we
@@ -354,9 +356,9 @@ class SwarmProgress:
                 sent = [r for r in records if r.epoch == epoch and r.ready]
                 same_epoch = sent + [r for r in records if r.round == epoch and not (r.epoch == epoch and r.ready)]
                 ready = len(sent)
-            else:
-                same_epoch = [r for r in records if r.epoch == epoch]
-                ready = sum(r.ready for r in same_epoch)
+            else:  # and joined peers that sync towards our round (``OuterRounds._heading_for``): not ready yet
+                same_epoch = [r for r in records if r.epoch == epoch or r.joined and r.epoch < epoch == r.round]
+                ready = sum(r.ready and r.epoch == epoch for r in same_epoch)
             now = time.monotonic()
             waited = now - started
             # ahead of the swarm (a round of ours failed, the others' did not): they reach our epoch round by
