@@ -55,6 +55,14 @@ def describe(tree: list[psutil.Process]) -> str:
     return "; ".join(f"{p.pid} {command(p)[:100]}" for p in tree)
 
 
+def segments(pids) -> list[str]:
+    """The shared memory in /dev/shm that processes ``pids`` made (torch names it ``torch_PID_...``): torch's
+    shared-memory manager removes it when they end, unless it was killed along with them (RAM gone until a
+    reboot: 14 GB had piled up on the development machine)."""
+    pids = {getattr(p, "pid", p) for p in pids}  # (pids, or psutil processes)
+    return [f.name for f in Path("/dev/shm").glob("torch_*") if int(f.name.split("_")[1]) in pids]
+
+
 def namespaces(prefix: str) -> list[str]:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
     return [line.split()[0] for line in listed if line.startswith(prefix)]
@@ -117,6 +125,7 @@ def test_a_signal_to_the_demo_stops_its_whole_swarm_then_exits_130(tmp_path, sig
         assert took < GRACE + STOP_MARGIN + 5, took
         assert not alive(tree), describe(alive(tree))  # gone before the demo exited, not merely soon after
         assert not namespaces(tag), namespaces(tag)
+        assert not segments(tree), segments(tree)
         assert f"demo: interrupted ({sig.name}), stopping the swarm" in demo.log.read_text()
         if nat:  # and before the stop: each peer behind its own router, reached through the relay, averaging
             assert "each peer behind its own NAT router" in demo.log.read_text()
@@ -138,8 +147,8 @@ def test_a_sigkilled_demo_takes_its_whole_swarm_along(tmp_path):
         tree = demo.record_tree_mid_training()
         demo.proc.kill()
         demo.proc.wait()
-        wait_until(lambda: not alive(tree), "end of every process of the SIGKILLed demo's tree",
-                   timeout=GONE_AFTER_SIGKILL)
+        wait_until(lambda: not alive(tree) and not segments(tree), "end of every process of the SIGKILLed demo's "
+                   "tree, and of its shared memory", timeout=GONE_AFTER_SIGKILL)
     finally:
         demo.cleanup()
 
@@ -154,8 +163,8 @@ def test_a_sigkilled_nat_demo_leaves_no_process_and_no_namespace(tmp_path):
         assert len(namespaces(tag)) == 5, namespaces(tag)  # public, and a router and a home per peer
         demo.proc.kill()
         demo.proc.wait()
-        wait_until(lambda: not alive(tree) and not namespaces(tag), "end of the SIGKILLed demo's processes and "
-                   "namespaces", timeout=GONE_AFTER_SIGKILL)
+        wait_until(lambda: not alive(tree) and not namespaces(tag) and not segments(tree), "end of the SIGKILLed "
+                   "demo's processes, namespaces and shared memory", timeout=GONE_AFTER_SIGKILL)
     finally:
         demo.cleanup()
         for name in namespaces(tag):
@@ -165,7 +174,9 @@ def test_a_sigkilled_nat_demo_leaves_no_process_and_no_namespace(tmp_path):
 def test_the_reaper_kills_what_it_watches_and_deletes_namespaces_when_its_parent_dies(tmp_path):
     """The parent's end of the pipe closes when it dies: that alone must not make the reaper leave its job. A
     child the parent forks is watched at once, without being named, and if it leads a process group of its own
-    (as hivemind's DHT process does), what it started in that group (p2pd) goes with it."""
+    (as hivemind's DHT process does), what it started in that group (p2pd) goes with it. torch's shared-memory
+    manager (started after the reaper and before a fork, as in a peer) is spared: it removes the parent's segments from /dev/shm
+    (killed along, it left 2.4 GB there for each SIGKILLed llama-150m peer, RAM gone until a reboot)."""
     ns = "" if netbed.available() else f"dlp-reap-{os.getpid() % 100000}"  # namespaces only where they can be made
     parent_code = (
         "import multiprocessing, os, subprocess, sys, time\n"
@@ -174,7 +185,10 @@ def test_the_reaper_kills_what_it_watches_and_deletes_namespaces_when_its_parent
         "    os.setpgid(0, 0)\n"
         "    pipe.send(subprocess.Popen(['sleep', '600']).pid)\n"
         "    time.sleep(600)\n"
+        "import torch\n"
+        "torch.multiprocessing.set_sharing_strategy('file_system')  # (hivemind's)\n"
         "reaper = Reaper()\n"
+        "shared = torch.ones(1000).share_memory_()  # a segment in /dev/shm and torch's manager of it\n"
         "child = subprocess.Popen(['sleep', '600'])\n"
         "reaper.watch([child.pid])\n"
         "ours, theirs = multiprocessing.Pipe()\n"
@@ -192,9 +206,12 @@ def test_the_reaper_kills_what_it_watches_and_deletes_namespaces_when_its_parent
     tree = [psutil.Process(pid) for pid in pids]  # the reaper, a watched child, a forked one and its own child
     try:
         assert not ns or namespaces(ns) == [ns]
+        segments = f"torch_{parent.pid}_*"
+        assert list(Path("/dev/shm").glob(segments)), "the parent made no shared memory: the test tests nothing"
         parent.kill()
         parent.wait()
         wait_until(lambda: not alive(tree) and not (ns and namespaces(ns)), "the reaper's work", timeout=5)
+        wait_until(lambda: not list(Path("/dev/shm").glob(segments)), "the parent's shared memory removed", timeout=5)
     finally:
         for p in alive(tree):
             p.kill()
@@ -286,6 +303,7 @@ class Case:
             time.sleep(0.2)
         left = still_running(self.processes)
         assert not left, f"{self.name}: left behind after {self.sig.name}: {left}"
+        assert not segments(self.processes), f"{self.name}: shared memory left after {self.sig.name}"
         return took
 
 

@@ -25,7 +25,10 @@ one (``shutdown._forked_child``), and p2pd, which it starts, is in it.
 The parent tells the watcher about every child it forks the moment it forks it (an ``os.register_at_fork`` hook):
 a peer SIGKILLed while it joins, between two attempts to reach a bootstrap, left a DHT process's p2pd behind
 (seen on a loaded machine: the children were only watched once joined). Children of a C library's fork
-(torch's shared-memory manager) are not seen there; the owner watches them itself (``watch``).
+are seen at the next such fork; the owner may also name them (``watch``). Never torch's shared-memory manager
+(``SHM_MANAGER``): when its clients die it unlinks the shared memory they made, and killed with them it left every
+segment in /dev/shm, RAM gone until a reboot (a SIGKILLed llama-150m peer: 2.4 GB; 14 GB had piled up on the
+development machine).
 It lives in its own session, so a Ctrl+C or a kill of its parent's process group does not take it down
 before its job is done.
 
@@ -66,10 +69,30 @@ def _after_fork_in_parent() -> None:
         reaper.watch_new_children()
 
 
+SHM_MANAGER = "torch_shm_manager"
+"""torch's shared-memory manager (``file_system`` sharing, hivemind's): one per process that shares tensors, in a
+session of its own. It must outlive its clients: it is what removes their segments from /dev/shm when they die."""
+
+
+def _name(process) -> str:
+    import psutil
+
+    try:
+        return process.name()
+    except psutil.Error:  # gone meanwhile
+        return ""
+
+
 def _children() -> list[int]:
     import psutil
 
-    return [child.pid for child in psutil.Process().children()]
+    return [child.pid for child in psutil.Process().children() if _name(child) not in (SHM_MANAGER, "")]
+
+
+def _descendants(process, managers: bool = False) -> list:
+    """Every process under ``process`` (psutil), torch's shared-memory managers left out (``SHM_MANAGER``); with
+    ``managers``, those managers only."""
+    return [c for c in process.children(recursive=True) if (_name(c) == SHM_MANAGER) == managers and _name(c)]
 
 
 class Reaper:
@@ -134,7 +157,7 @@ def exit_with_children(code: int) -> None:
     """Exit at once, but take our children (DHT and averager processes, p2pd) along: never leave orphans."""
     import psutil  # here, not at the top: the watcher process itself starts with as few imports as it can
 
-    for child in psutil.Process().children(recursive=True):
+    for child in _descendants(psutil.Process()):  # (torch's shared-memory manager cleans up after us, then exits)
         try:
             child.kill()
         except psutil.Error:
@@ -155,15 +178,17 @@ def _running(procs) -> list:
     return [p for p in procs if runs(p)]
 
 
-def _trees(procs: list[subprocess.Popen]) -> list:
-    """Those of ``procs`` that still run and every process under each, as psutil processes, the parents first."""
+def _trees(procs: list[subprocess.Popen], managers: bool = False) -> list:
+    """Those of ``procs`` that still run and every process under each, as psutil processes, the parents first
+    (``managers``: torch's shared-memory managers under them instead, see ``SHM_MANAGER``)."""
     import psutil
 
     found = []
     for proc in procs:
         try:
             top = psutil.Process(proc.pid)
-            found += [top, *top.children(recursive=True)] if proc.poll() is None else []
+            if proc.poll() is None:
+                found += _descendants(top, managers=True) if managers else [top, *_descendants(top)]
         except psutil.Error:
             continue
     return found
@@ -186,14 +211,7 @@ def new_children(before: set[int], spare: int) -> list:
     ``spare`` (the watcher) and torch's shared-memory manager (shared by the whole process, it exits by itself)."""
     import psutil
 
-    def name(p) -> str:
-        try:
-            return p.name()
-        except psutil.Error:  # gone meanwhile
-            return ""
-
-    return [c for c in psutil.Process().children(recursive=True)
-            if c.pid not in before and c.pid != spare and name(c) not in ("torch_shm_manager", "")]
+    return [c for c in _descendants(psutil.Process()) if c.pid not in before and c.pid != spare]
 
 
 def kill_leftovers(procs: list) -> list[str]:
@@ -215,11 +233,12 @@ def stop_in_order(groups: list[list[subprocess.Popen]], signum: int, deadline: f
     """Stop ``groups`` of our child processes one after the other: send ``signum`` to those of a group that still
     run, wait until they have exited, then go on to the next group; then wait until every process under them
     (DHT, averager, p2pd, reaper: recorded first, as they can outlive their parent by a moment) is gone too.
-    At ``deadline`` (monotonic seconds) SIGKILL what is left. Returns once all of them are gone."""
+    At ``deadline`` (monotonic seconds) SIGKILL what is left, but torch's shared-memory managers, which exit
+    by themselves once their clients are gone. Returns once all of them are gone."""
     import psutil
 
     procs = [proc for group in groups for proc in group]
-    tree = _trees(procs)
+    tree, managers = _trees(procs), _trees(procs, managers=True)  # (managers: waited for, never killed)
     for group in groups:
         for proc in group:
             if proc.poll() is None:
@@ -229,7 +248,7 @@ def stop_in_order(groups: list[list[subprocess.Popen]], signum: int, deadline: f
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-    while _running(tree) and time.monotonic() < deadline:
+    while _running(tree + managers) and time.monotonic() < deadline:
         time.sleep(0.1)
     for p in _running(tree):
         try:
@@ -239,16 +258,21 @@ def stop_in_order(groups: list[list[subprocess.Popen]], signum: int, deadline: f
     for proc in procs:
         proc.wait()
     psutil.wait_procs(_running(tree), timeout=5)  # SIGKILLed: gone within moments (or a zombie, reaped by init)
+    psutil.wait_procs(_running(managers), timeout=5)  # their clients gone, they remove the segments and exit
 
 
 def remove_namespace(name: str) -> None:
-    """SIGKILL whatever still runs inside network namespace ``name``, then delete it (its veths go with it);
-    a namespace that does not exist is left as it is."""
+    """SIGKILL whatever still runs inside network namespace ``name`` (but torch's shared-memory managers, which
+    exit by themselves once their clients are gone: ``SHM_MANAGER``), then delete it (its veths go with it); a
+    namespace that does not exist is left as it is."""
     pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
     for pid in pids:
         try:
+            with open(f"/proc/{int(pid)}/comm") as f:
+                if f.read().strip() == SHM_MANAGER[:15]:  # (the kernel keeps 15 characters of a name)
+                    continue
             os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
+        except (OSError, ValueError):  # gone meanwhile
             pass
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
