@@ -175,8 +175,9 @@ def test_the_reaper_kills_what_it_watches_and_deletes_namespaces_when_its_parent
     """The parent's end of the pipe closes when it dies: that alone must not make the reaper leave its job. A
     child the parent forks is watched at once, without being named, and if it leads a process group of its own
     (as hivemind's DHT process does), what it started in that group (p2pd) goes with it. torch's shared-memory
-    manager (started after the reaper and before a fork, as in a peer) is spared: it removes the parent's segments from /dev/shm
-    (killed along, it left 2.4 GB there for each SIGKILLed llama-150m peer, RAM gone until a reboot)."""
+    manager (started after the reaper and before a fork, as in a peer) is spared: it removes the parent's
+    segments from /dev/shm (killed along, it left 2.4 GB there for each SIGKILLed llama-150m peer, RAM gone
+    until a reboot)."""
     ns = "" if netbed.available() else f"dlp-reap-{os.getpid() % 100000}"  # namespaces only where they can be made
     parent_code = (
         "import multiprocessing, os, subprocess, sys, time\n"

@@ -329,21 +329,22 @@ class SwarmProgress:
 
         The round starts when (a) at least ``min_peers`` peers are alive and (b) every live peer at our
         epoch is ready; a joined peer behind us whose record says it syncs towards our round (``round``) counts
-        as one of them, not ready (a joiner one round behind at every gate never averaged). It starts anyway after ``ready_timeout`` seconds of (a), leaving stragglers behind,
-        or after ``min_peers_timeout`` seconds without (a), with whoever is there. Returns early (with
-        reason "stopping") as soon as ``should_stop()`` is true, so that a leaving peer never waits here.
+        as one of them, not ready (a joiner one round behind at every gate never averaged). It starts anyway
+        after ``ready_timeout`` seconds of (a), leaving stragglers behind, or after ``min_peers_timeout``
+        seconds without (a), with whoever is there. Returns early (with reason "stopping") as soon as
+        ``should_stop()`` is true, so that a leaving peer never waits here.
 
         ``delayed`` (overlapped rounds, see ``outer_round.py``): the peers to wait for are those whose
         record says they train the round of our epoch (``round``); a peer that sent it is at our epoch and
         ready (and already trains the next round).
 
-        Liars can only delay or hurry a round, within bounds: one that claims our epoch (or to sync towards
-        it) and never gets ready holds the gate ``ready_timeout`` at most; fake peers can fill ``min_peers`` early (the first round then
-        starts with fewer real peers, or waits ``min_peers_timeout`` at most); one that claims to be ready and
-        never shows up in matchmaking costs a matchmaking timeout and a solo step. A peer at another epoch
-        (``lie_epoch``) is not waited for at all, unless most peers are behind us (``quorum_epoch``): then we
-        are the one off (our round failed where theirs did not) and wait, ``ready_timeout`` at most, for them
-        to reach our epoch.
+        Liars can only delay or hurry a round, within bounds: one that claims our epoch (or to sync towards it) and
+        never gets ready holds the gate ``ready_timeout`` at most; fake peers can fill ``min_peers`` early (the
+        first round then starts with fewer real peers, or waits ``min_peers_timeout`` at most); one that claims to
+        be ready and never shows up in matchmaking costs a matchmaking timeout and a solo step. A peer at another
+        epoch (``lie_epoch``) is not waited for at all, unless most peers are behind us (``quorum_epoch``): then we
+        are the one off (our round failed where theirs did not) and wait, ``ready_timeout`` at most, for them to
+        reach our epoch.
         """
         started = time.monotonic()
         quorum_since = None
