@@ -2,12 +2,16 @@
 
 The activation formula is compared with the tensors autograd really saves, the codec sizes with what the
 codecs really encode, the parameter count with a built model; ``plan`` answers for every shipped config;
-``join`` refuses a config that cannot fit, in one line naming what is short.
+``join`` refuses a config that cannot fit, in one line naming what is short (RAM, GPU memory or /dev/shm).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,6 +134,15 @@ def test_shortfall_names_what_is_short():
     small = Machine(ram_available=8 * 10**9, ram_total=16 * 10**9)
     assert shortfall(need, small, "cpu") == "a CPU peer needs 10.00 GB of RAM, 8.00 GB is available"
     assert "has none" in shortfall(need, small, "cuda")
+    # shared memory: a container's /dev/shm is 64 MB unless given more
+    need["shared"] = {CPU: 4 * 10**9, GPU_HOST: 2 * 10**9}
+    container = Machine(ram_available=16 * 10**9, ram_total=32 * 10**9, gpu_name="RTX 4090", gpu_free=23 * 10**9,
+                        gpu_total=24 * 10**9, shm_free=64 * 2**20)
+    assert shortfall(need, container, "cpu").startswith("a CPU peer needs 4.00 GB of shared memory, 67.11 MB is "
+                                                         "free in /dev/shm")
+    assert "2.00 GB of shared memory" in shortfall(need, container, "cuda") and "--shm-size" in shortfall(
+        need, container, "cuda")
+    assert shortfall(need, roomy, "cpu") == ""  # (no /dev/shm read: not checked)
 
 
 def test_link_speeds_are_read_as_tc_writes_them():
@@ -154,6 +167,8 @@ def test_plan_answers_for_every_shipped_config(preset, capsys):
     assert cli.main(["plan", "--config", preset, "--device", "cpu"]) == 0  # and as text
     text = capsys.readouterr().out
     assert "bytes per parameter at the peak" in text and "(configured)" in text and "a CPU peer: " in text
+    assert "of the peak, in shared memory (/dev/shm)" in text and "free in /dev/shm" in text
+    assert 0 < plan["peak"]["shared"][CPU] < plan["peak"][CPU] and 0 < plan["peak"]["shared"][GPU_HOST]
 
 
 def test_plan_refuses_a_bad_link_in_one_line(capsys):
@@ -175,3 +190,24 @@ def test_join_refuses_a_config_that_cannot_fit_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not fit this machine: a CPU peer needs" in err
     assert "GB of RAM" in err and "is available" in err and "--no-fit-check" in err
+
+
+def test_join_refuses_when_dev_shm_is_too_small_in_one_line(tmp_path):
+    """In a container /dev/shm is 64 MB unless given more; the outer state and the round's buffers live there, and
+    torch failed at start-up with "unable to allocate shared memory ... No space left on device". ``join`` now
+    refuses first, naming the fix. Run as a new process in a mount namespace with a 64 MB /dev/shm of its own."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        if os.environ.get("CI"):
+            pytest.fail("this test must run in CI: it needs root and unshare (a /dev/shm of its own)")
+        pytest.skip("needs root and unshare (a /dev/shm of its own)")
+    model = ["model.hidden_size=512", "model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=8",
+             "model.ffn_hidden_size=1408"]  # ~13M parameters: ~0.25 GB of shared memory, under 1 GB of RAM
+    sets = [a for item in [*model, f"run.log_dir={json.dumps(str(tmp_path / 'runs'))}"] for a in ("--set", item)]
+    join = " ".join([sys.executable, "-m", "diloco_peer", "join", f"/ip4/127.0.0.1/tcp/9/p2p/{PEER_ID}",
+                     "--config", "tiny-cpu", *(f"'{a}'" for a in sets)])
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {join}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == cli.EXIT_USAGE, proc.stderr[-2000:]
+    err = proc.stderr.strip()
+    assert err.count("\n") == 0 and "does not fit this machine: a CPU peer needs" in err, err
+    assert "of shared memory, 67.11 MB is free in /dev/shm" in err and "--shm-size" in err, err

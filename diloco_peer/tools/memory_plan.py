@@ -126,6 +126,8 @@ class Buffer:
     phase: str
     bytes: dict[str, int]
     process: str = PEER
+    shared: bool = False
+    """In shared memory (/dev/shm, whose size a container caps: ``shared_peaks``), on the host."""
 
 
 def activation_bytes(cfg: PeerConfig, autocast: bool) -> int:
@@ -179,8 +181,8 @@ CODECS = typing.get_args(AveragingConfig.model_fields["compression"].annotation)
 """The codec names ``averaging.compression`` takes (the schema's, so that plan never misses a new one)."""
 
 
-def _row(name: str, owner: str, phase: str, process: str = PEER, **columns: int) -> Buffer:
-    return Buffer(name, owner, phase, {column: size for column, size in columns.items() if size}, process)
+def _row(name: str, owner: str, phase: str, process: str = PEER, shared: bool = False, **columns: int) -> Buffer:
+    return Buffer(name, owner, phase, {column: size for column, size in columns.items() if size}, process, shared)
 
 
 def _training_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
@@ -191,7 +193,7 @@ def _training_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
     data = cfg.data
     return [
         _row("fp32 weights (replica)", "training/model.py build_model; Trainer.__init__ moves it", "resident",
-             cpu=p, gpu=p),
+             shared=cfg.lends_replica(CPU), cpu=p, gpu=p),
         _row("replica built on the CPU first", "daemon.PeerDaemon._start: build_model, then Trainer.__init__ .to()",
              "start", gpu_host=p),
         _row("AdamW moments (exp_avg, exp_avg_sq)", "training/trainer.py Trainer.__init__ (torch.optim.AdamW)",
@@ -228,17 +230,17 @@ def _round_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
     on_gpu = cfg.outer.momentum_on == "device"
     rows = [
         _row("outer weights (fp32, shared memory)", "training/outer_optimizer.py OuterOptimizer.__init__ "
-             "(flat_tensors)", "resident", cpu=p, gpu_host=p),
+             "(flat_tensors)", "resident", shared=True, cpu=p, gpu_host=p),
         _row("outer Nesterov momentum (shared memory; on a GPU peer's GPU with outer.momentum_on=device)",
-             "training/outer_optimizer.py OuterOptimizer.__init__ (momentum_device)", "resident", cpu=p,
+             "training/outer_optimizer.py OuterOptimizer.__init__ (momentum_device)", "resident", shared=True, cpu=p,
              gpu_host=0 if on_gpu else p, gpu=p if on_gpu else 0),
         _row("round: pseudo-gradient sent (averager's input buffer)", "averaging/averager.py RoundAverager.__init__; "
              "OuterOptimizer.pseudo_gradient writes it in place (a CPU peer's blocking rounds: the replica's memory)",
-             "allreduce", cpu=0 if cfg.lends_replica(CPU) else p, gpu_host=p),
+             "allreduce", shared=True, cpu=0 if cfg.lends_replica(CPU) else p, gpu_host=p),
         _row("round: the average (averager's output buffer, handed out as it is; on a GPU peer's blocking rounds "
              "written over the pseudo-gradient sent)",
              "averaging/averager.py RoundAverager.__init__; allreduce.py ExactAllReduceRunner._register",
-             "allreduce", cpu=p, gpu_host=0 if cfg.averages_in_place("cuda") else p),
+             "allreduce", shared=True, cpu=p, gpu_host=0 if cfg.averages_in_place("cuda") else p),
     ]
     if feedback:
         rows += [_row("error-feedback residual", "averaging/compression.py ErrorFeedback.roundtrip", "resident",
@@ -274,17 +276,17 @@ def _state_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
         _row("state served: the unread rest, copied when our state changes during a download (in memory up to "
              "averaging.serve_copy_in_memory_mb, else to a file)",
              "averaging/state_transfer.py ServedStates.freeze (OuterOptimizer.before_change)", "serve_change",
-             cpu=serve_copy, gpu_host=serve_copy),
+             shared=True, cpu=serve_copy, gpu_host=serve_copy),
         _row("round log: the updates of the last averaging.log_rounds rounds, kept while a peer downloads our state "
              "(in memory if they fit averaging.serve_copy_in_memory_mb, else files)",
-             "averaging/round_log.py RoundLog.record (OuterOptimizer.on_step)", "serve_change", cpu=logged,
-             gpu_host=logged),
+             "averaging/round_log.py RoundLog.record (OuterOptimizer.on_step)", "serve_change", shared=True,
+             cpu=logged, gpu_host=logged),
         # one shared-memory buffer for the whole sync (a broken download resumes into it), which the averager
         # process fills; checked, copied into our state in place, then freed (not kept by either process's heap)
         # (a GPU peer with its momentum on the GPU stages the momentum half in a file: state_files.staging_for)
         _row("state downloaded (shared memory), checked, then copied in", "state/state_sync.py StateSync.sync; "
-             "averaging/state_transfer.py download; OuterOptimizer.load_state", "sync", cpu=2 * p + largest,
-             gpu_host=(p if cfg.outer.momentum_on == "device" else 2 * p) + largest),
+             "averaging/state_transfer.py download; OuterOptimizer.load_state", "sync", shared=True,
+             cpu=2 * p + largest, gpu_host=(p if cfg.outer.momentum_on == "device" else 2 * p) + largest),
     ]
 
 
@@ -327,3 +329,10 @@ def peaks(table: list[Buffer], overlapped: bool) -> dict[str, int]:
             worst = max(sum(by_phase.get(phase, 0) for phase in together) for together in concurrent(overlapped))
             result[column] += by_phase.get("resident", 0) + worst
     return result
+
+
+def shared_peaks(table: list[Buffer], overlapped: bool) -> dict[str, int]:
+    """``peaks`` of the rows in shared memory (/dev/shm) alone, for the host columns: what /dev/shm must have free.
+    A container's is 64 MB unless given more, and torch fails to allocate beyond it ("No space left on device")."""
+    shared = peaks([row for row in table if row.shared], overlapped)
+    return {column: shared[column] for column in (CPU, GPU_HOST)}

@@ -3,12 +3,13 @@
     diloco-peer plan --config llama-150m                       # memory, bytes per round, fits or not
     diloco-peer plan --config llama-1b --link 20mbit --peers 8 --device cuda --json
 
-The memory comes from ``memory_plan.py`` (the model built on the meta device: a 1B config costs nothing to
-plan), the free memory from the machine (``psutil``, ``torch.cuda.mem_get_info``). Bytes per round are those
-of each codec of ``averaging/compression.py`` in hivemind's butterfly all-reduce: in a group of K peers each
-sends its K-1 foreign parts of the pseudo-gradient to their reducers and returns the average of its own part
-to the K-1 others, so 2 (K-1) / K of the encoded pseudo-gradient leaves (and arrives at) each peer per round.
-Times are at the link's rate, a lower bound (the all-reduce ran at 0.80-0.87 of a TCP stream, BENCHMARKS.md).
+The memory comes from ``memory_plan.py`` (the model built on the meta device: a 1B config costs nothing to plan),
+the free memory from the machine (``psutil``, ``torch.cuda.mem_get_info``, and /dev/shm's free space: the outer
+state and the round's buffers live in shared memory, which a container caps at 64 MB by default). Bytes per round
+are those of each codec of ``averaging/compression.py`` in hivemind's butterfly all-reduce: in a group of K peers
+each sends its K-1 foreign parts of the pseudo-gradient to their reducers and returns the average of its own part to
+the K-1 others, so 2 (K-1) / K of the encoded pseudo-gradient leaves (and arrives at) each peer per round. Times are
+at the link's rate, a lower bound (the all-reduce ran at 0.80-0.87 of a TCP stream, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from pathlib import Path
 
 from ..config import ConfigError, PeerConfig
 from . import memory_plan
-from .memory_plan import CODECS, COLUMNS, CPU, GPU, GPU_HOST, ModelShape, buffers, codec_bytes, peaks
+from .memory_plan import CODECS, COLUMNS, CPU, GPU, GPU_HOST, ModelShape, buffers, codec_bytes, peaks, shared_peaks
 
+SHM = "/dev/shm"
 _LINK = re.compile(r"(\d+(?:\.\d+)?)(k|m|g)?bit", re.IGNORECASE)
 _PREFIX = {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}
 
@@ -47,6 +49,8 @@ class Machine:
     """The CUDA GPU a peer would train on ("" if none)."""
     gpu_free: int = 0
     gpu_total: int = 0
+    shm_free: int | None = None
+    """Free bytes in /dev/shm, where torch puts shared memory (None: no /dev/shm, not checked)."""
 
     @classmethod
     def probe(cls, device: str = "cuda") -> Machine:
@@ -55,11 +59,12 @@ class Machine:
         import torch
 
         memory = psutil.virtual_memory()
+        shm = shutil.disk_usage(SHM).free if Path(SHM).is_dir() else None
         if not device.startswith("cuda") or not torch.cuda.is_available():
-            return cls(memory.available, memory.total)
+            return cls(memory.available, memory.total, shm_free=shm)
         index = torch.device(device).index or 0
         free, total = torch.cuda.mem_get_info(index)
-        return cls(memory.available, memory.total, torch.cuda.get_device_name(index), free, total)
+        return cls(memory.available, memory.total, torch.cuda.get_device_name(index), free, total, shm)
 
 
 def peer_device(cfg: PeerConfig, requested: str | None = None) -> str:
@@ -87,14 +92,20 @@ def shortfall(need: dict[str, int], machine: Machine, device: str) -> str:
         if need[GPU] - memory_plan.CUDA_CONTEXT_BYTES > machine.gpu_free:
             return (f"a GPU peer needs {_size(need[GPU])} of GPU memory, {_size(machine.gpu_free)} is free on "
                     f"{machine.gpu_name}")
+    kind = "a CPU peer" if device == "cpu" else "a GPU peer"
     if ram > machine.ram_available:
-        kind = "a CPU peer" if device == "cpu" else "a GPU peer"
         return f"{kind} needs {_size(ram)} of RAM, {_size(machine.ram_available)} is available"
+    shared = need.get("shared", {}).get(CPU if device == "cpu" else GPU_HOST, 0)
+    if machine.shm_free is not None and shared > machine.shm_free:
+        return (f"{kind} needs {_size(shared)} of shared memory, {_size(machine.shm_free)} is free in {SHM} (a "
+                f"container gets 64 MB unless given more: docker run --shm-size, compose shm_size)")
     return ""
 
 
-def _need(cfg: PeerConfig, shape: ModelShape, peers: int = 8) -> dict[str, int]:
-    return peaks(buffers(cfg, shape, peers), overlapped=cfg.outer.overlap != "blocking")
+def _need(cfg: PeerConfig, shape: ModelShape, peers: int = 8) -> dict:
+    """Peak bytes per column, and under "shared" the part of the host's in shared memory."""
+    table, overlapped = buffers(cfg, shape, peers), cfg.outer.overlap != "blocking"
+    return {**peaks(table, overlapped), "shared": shared_peaks(table, overlapped)}
 
 
 def smaller_batch(cfg: PeerConfig, shape: ModelShape, machine: Machine, device: str) -> str:
@@ -118,7 +129,7 @@ def make_plan(cfg: PeerConfig, name: str, *, link: float, peers: int, device: st
     """The whole plan as plain data (what ``--json`` prints)."""
     shape = ModelShape.from_config(cfg.model)
     table = buffers(cfg, shape, peers)
-    need = peaks(table, overlapped=cfg.outer.overlap != "blocking")
+    need = _need(cfg, shape, peers)
     short = shortfall(need, machine, device)
     share = 2 * (peers - 1) / peers  # of the encoded pseudo-gradient, each way, per peer and round
     rounds = []
@@ -169,6 +180,9 @@ def _memory_lines(plan: dict) -> list[str]:
                  + "".join(f"{_size(plan['peak'][column]):>15}" for column in COLUMNS))
     lines.append(f"{'bytes per parameter at the peak':<{width + 12}}"
                  + "".join(f"{plan['bytes_per_parameter'][column]:>15.1f}" for column in COLUMNS))
+    shared = plan["peak"]["shared"]
+    lines.append(f"{'of the peak, in shared memory (' + SHM + ')':<{width + 12}}"
+                 + "".join(f"{_size(shared[column]) if column in shared else '-':>15}" for column in COLUMNS))
     return lines
 
 
@@ -177,7 +191,8 @@ def _verdict(plan: dict) -> list[str]:
     gpu = f"{m['gpu_name']}, {_size(m['gpu_free'])} of {_size(m['gpu_total'])} free" if m["gpu_name"] else "no CUDA GPU"
     kind = "a CPU peer" if plan["device"] == "cpu" else f"a GPU peer ({plan['device']})"
     verdict = f"does NOT fit: {plan['short']}" if plan["short"] else "fits"
-    lines = [f"this machine: {_size(m['ram_available'])} of {_size(m['ram_total'])} RAM available; {gpu}",
+    shm = f"{_size(m['shm_free'])} free in {SHM}" if m["shm_free"] is not None else f"no {SHM}"
+    lines = [f"this machine: {_size(m['ram_available'])} of {_size(m['ram_total'])} RAM available, {shm}; {gpu}",
              f"{kind}: {verdict}"]
     if plan["fits_with"]:
         lines.append(f"  it fits with a smaller micro-batch: {plan['fits_with']}")
