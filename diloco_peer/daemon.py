@@ -31,7 +31,7 @@ from .averaging.averager import RoundAverager
 from .config import PeerConfig
 from .config.faults import Faults
 from .lifecycle import hivemind_calls
-from .lifecycle.reaper import Reaper, kill_leftovers, new_children
+from .lifecycle.reaper import Reaper, kill_leftovers, new_children, remove_orphaned_segments
 from .lifecycle.shutdown import Shutdown
 from .observe.events import EventLog
 from .observe.metrics import MetricsServer, PeerMetrics
@@ -98,6 +98,10 @@ class PeerDaemon:
         server = MetricsServer(self.metrics, cfg.metrics) if cfg.metrics.port else None
         self._children_before = {c.pid for c in psutil.Process().children(recursive=True)}
         reaper = Reaper()  # if we are SIGKILLed, our children (DHT, averager, p2pd) must not live on
+        count, freed = remove_orphaned_segments()
+        if count:
+            logger.warning(f"removed {count} shared-memory segments ({freed / 1e9:.2f} GB of RAM) that processes "
+                           f"which died had left in /dev/shm")
         try:
             with logging_redirect_tqdm() if self.tty else contextlib.nullcontext():
                 return await self._run(reaper)

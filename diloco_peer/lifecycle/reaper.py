@@ -35,7 +35,8 @@ before its job is done.
 For a parent that is still alive: ``exit_with_children`` (exit at once, children killed), ``kill_leftovers``
 (after a leave, what did not stop), ``stop_in_order``
 (pass a stop signal on and wait, within a deadline, until every process under the children is gone too),
-``kill_trees`` and ``remove_namespace``. This module imports nothing of the package: anything may use it.
+``kill_trees`` and ``remove_namespace``; at a peer's start, ``remove_orphaned_segments`` (what dead processes left
+in /dev/shm). This module imports nothing of the package: anything may use it.
 """
 
 from __future__ import annotations
@@ -87,6 +88,58 @@ def _children() -> list[int]:
     import psutil
 
     return [child.pid for child in psutil.Process().children() if _name(child) not in (SHM_MANAGER, "")]
+
+
+def remove_orphaned_segments(directory: str = "/dev/shm") -> tuple[int, int]:
+    """Remove torch's shared-memory segments in ``directory`` that processes which died with their manager left
+    behind (``SHM_MANAGER``: before this was known, every SIGKILLed peer's; or a whole cgroup SIGKILLed): ours
+    (this user's), named for a process that no longer runs (``torch_PID_...``), and neither mapped nor open in any
+    process we can see. Nobody can reach such a segment any more; it holds RAM until a reboot. Returns (segments
+    removed, their bytes)."""
+    uid, orphans = os.getuid(), {}
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:  # no /dev/shm (macOS): nothing to do
+        return 0, 0
+    for entry in entries:
+        parts = entry.name.split("_")
+        if len(parts) < 3 or parts[0] != "torch" or not parts[1].isdigit() or os.path.exists(f"/proc/{parts[1]}"):
+            continue
+        try:
+            stat = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.st_uid == uid:
+            orphans[entry.path] = stat.st_blocks * 512  # (what it holds, not its size: a segment may be sparse)
+    for pid in os.listdir("/proc") if orphans else []:
+        if pid.isdigit():
+            for path in _shared_files(pid, directory):
+                orphans.pop(path, None)
+    count = removed = 0
+    for path, size in orphans.items():
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        count, removed = count + 1, removed + size
+    return count, removed
+
+
+def _shared_files(pid: str, directory: str) -> list[str]:
+    """The files of ``directory`` process ``pid`` maps or holds open ([] if it is gone or not ours to read)."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            used = [line.split(maxsplit=5)[-1].strip().removesuffix(" (deleted)") for line in maps
+                    if directory in line]
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    for fd in fds:
+        try:
+            used.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # closed meanwhile
+            continue
+    return used
 
 
 def _descendants(process, managers: bool = False) -> list:
