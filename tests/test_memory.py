@@ -176,6 +176,7 @@ def test_a_donor_stepping_during_a_download_serves_the_state_it_started_with(pee
         (tmp_path / "serve-1-2-3.bin").write_bytes(b"left by a killed process")
         (tmp_path / "download-1-2.bin").write_bytes(b"left by a process killed while downloading")
         (tmp_path / "round-1-2.bin").write_bytes(b"a round kept by a process killed while serving")
+        (tmp_path / "replay-1-2.bin").write_bytes(b"a state computed from logged rounds by a process killed then")
         averager.served.spill_to(tmp_path, 0)
         assert not list(tmp_path.iterdir())
         write = state_transfer.SpilledTensors.write

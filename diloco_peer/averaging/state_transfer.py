@@ -82,11 +82,11 @@ class ServedStates:
     def spill_to(self, directory: Path, in_memory_limit: int) -> None:
         """Copies for a frozen download over ``in_memory_limit`` bytes go to a file in ``directory`` instead of
         memory (the directory is made when first needed; a GPU peer's downloads stage their momentum there too,
-        ``state_files.staging_for``, and the round log its files, ``round_log.py``). Files an earlier process of this
-        peer left there (killed mid-download, either way) are removed."""
+        ``state_files.staging_for``, the round log its files and a replay of it its result, ``round_log.py``). Files
+        an earlier process of this peer left there (killed mid-download, either way) are removed."""
         if directory.is_dir():
             for leftover in [*directory.glob("serve-*.bin"), *directory.glob("download-*.bin"),
-                             *directory.glob("round-*.bin")]:
+                             *directory.glob("round-*.bin"), *directory.glob("replay-*.bin")]:
                 leftover.unlink(missing_ok=True)
         self.spill_dir, self.in_memory_limit = directory, in_memory_limit
 
