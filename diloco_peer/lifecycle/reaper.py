@@ -90,16 +90,24 @@ def _children() -> list[int]:
     return [child.pid for child in psutil.Process().children() if _name(child) not in (SHM_MANAGER, "")]
 
 
-def remove_orphaned_segments(directory: str = "/dev/shm") -> tuple[int, int]:
+INITIAL_PID_NAMESPACE = 0xEFFFFFFC
+"""The inode of the host's pid namespace (the kernel's ``PROC_PID_INIT_INO``): in it, every process is visible."""
+
+
+def remove_orphaned_segments(directory: str = "/dev/shm", min_age: float = 60.0) -> tuple[int, int]:
     """Remove torch's shared-memory segments in ``directory`` that processes which died with their manager left
     behind (``SHM_MANAGER``: before this was known, every SIGKILLed peer's; or a whole cgroup SIGKILLed): ours
-    (this user's), named for a process that no longer runs (``torch_PID_...``), and neither mapped nor open in any
-    process we can see. Nobody can reach such a segment any more; it holds RAM until a reboot. Returns (segments
-    removed, their bytes)."""
-    uid, orphans = os.getuid(), {}
+    (this user's), named for a process that no longer runs (``torch_PID_...``), unchanged for ``min_age`` seconds
+    (a segment on its way from one process to another is mapped by neither for a moment), and neither mapped nor
+    open in any process. Nobody can reach such a segment any more; it holds RAM until a reboot. Only in the host's
+    pid namespace: in a container that shares the host's /dev/shm, the processes using a segment may be invisible.
+    Returns (segments removed, their bytes)."""
+    uid, orphans, now = os.getuid(), {}, time.time()
     try:
+        if os.stat("/proc/self/ns/pid").st_ino != INITIAL_PID_NAMESPACE:
+            return 0, 0
         entries = list(os.scandir(directory))
-    except OSError:  # no /dev/shm (macOS): nothing to do
+    except OSError:  # no /dev/shm (macOS) or no /proc: nothing to do
         return 0, 0
     for entry in entries:
         parts = entry.name.split("_")
@@ -109,7 +117,7 @@ def remove_orphaned_segments(directory: str = "/dev/shm") -> tuple[int, int]:
             stat = entry.stat(follow_symlinks=False)
         except OSError:
             continue
-        if stat.st_uid == uid:
+        if stat.st_uid == uid and now - max(stat.st_mtime, stat.st_ctime) >= min_age:
             orphans[entry.path] = stat.st_blocks * 512  # (what it holds, not its size: a segment may be sparse)
     for pid in os.listdir("/proc") if orphans else []:
         if pid.isdigit():
