@@ -78,8 +78,9 @@ def peer_device(cfg: PeerConfig, requested: str | None = None) -> str:
     return name
 
 
-def shortfall(need: dict[str, int], machine: Machine, device: str) -> str:
-    """What is short for a peer on ``device`` ("" if it fits)."""
+def shortfall(need: dict, machine: Machine, device: str) -> str:
+    """What is short for a peer on ``device`` ("" if it fits): ``need`` is peak bytes per column, with the shared
+    part of the host's under "shared" (``_need``)."""
     if device == "cpu":
         ram = need[CPU]
     elif device == "mps":  # Apple's GPU shares the RAM: the replica's side comes out of it too
