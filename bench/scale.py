@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -357,6 +358,9 @@ def main() -> int:
                              "shorter than a state download); join; or none")
     parser.add_argument("--workdir", default="", help="where logs, events and checkpoints go (default: a temp dir)")
     parser.add_argument("--no-save", action="store_true", help="do not write bench/results.json")
+    parser.add_argument("--keep-checkpoints", action="store_true",
+                        help="keep the peers' checkpoints and spill files in the workdir (removed by default: 7-15 "
+                             "GB a run at llama-150m; logs, events and result.json stay)")
     args = parser.parse_args()
     if args.quick:
         args.model, args.rounds = "mid", 2
@@ -386,6 +390,9 @@ def main() -> int:
                   phases=ran["phases"], wall_seconds=time.monotonic() - started, workdir=str(workdir), error=error)
     (workdir / "result.json").write_text(json.dumps(result, indent=1))
     report(result)
+    if not args.keep_checkpoints:  # (their times are in the events; the files only fill the disk)
+        for heavy in [workdir / "checkpoints", *workdir.glob("*.serving")]:
+            shutil.rmtree(heavy, ignore_errors=True)
     if error:
         print(f"incomplete run: {error}")
         return 1
