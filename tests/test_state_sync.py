@@ -281,13 +281,15 @@ def test_a_download_broken_off_resumes_from_another_donor_where_it_was(peers, mo
     assert newcomer.sync.digests == good.sync.digests
 
 
-def test_a_momentum_off_the_host_is_downloaded_into_a_file_and_resumed_there(peers, monkeypatch, tmp_path):
-    """A GPU peer keeps its momentum on its GPU (``outer.momentum_on``; here: outside shared memory): a download
-    stages that half in a file of its spill directory, not in memory (4 bytes per parameter less on the host).
-    Broken off inside that half, it resumes there from the next donor; the file goes once the state is ours."""
+@pytest.mark.parametrize("shared", [False, True], ids=["momentum-off-the-host", "momentum-in-shared-memory"])
+def test_the_momentum_is_downloaded_into_a_file_and_resumed_there(peers, monkeypatch, tmp_path, shared):
+    """A download stages the momentum half in a file of the peer's spill directory, not in memory (4 bytes per
+    parameter less on the host for the length of a sync: the peak of a CPU joiner): a GPU peer's momentum lives on
+    its GPU (``outer.momentum_on``; here: outside shared memory), a CPU peer's in shared memory. Broken off inside
+    that half, it resumes there from the next donor; the file goes once the state is ours."""
     good = peers()
     n = len(good.outer.params)
-    newcomer, breaking = peers(shared=False), peers(faults=Faults.parse(f"break_serve:{n + 3}"))
+    newcomer, breaking = peers(shared=shared), peers(faults=Faults.parse(f"break_serve:{n + 3}"))
     good.advance(2)
     assert asyncio.run(breaking.sync.sync(good.target())).ok  # it holds (and publishes) the swarm's very state
     newcomer.averager.averager.served.spill_to(tmp_path, 0)

@@ -81,7 +81,7 @@ class ServedStates:
 
     def spill_to(self, directory: Path, in_memory_limit: int) -> None:
         """Copies for a frozen download over ``in_memory_limit`` bytes go to a file in ``directory`` instead of
-        memory (the directory is made when first needed; a GPU peer's downloads stage their momentum there too,
+        memory (the directory is made when first needed; a peer's downloads stage their momentum there too,
         ``state_files.staging_for``, the round log its files and a replay of it its result, ``round_log.py``). Files
         an earlier process of this peer left there (killed mid-download, either way) are removed."""
         if directory.is_dir():

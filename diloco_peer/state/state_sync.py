@@ -305,7 +305,7 @@ class StateSync:
         later = None
         self.averager.allow_state_sharing = False  # nobody should download from us while we are behind
         # kept across donors: a download broken off resumes where it was, from the next donor
-        staging = staging_for(self.outer.params, self.outer.momentum_views, self.averager.served.spill_dir)
+        staging = staging_for(self.outer.params, self.averager.served.spill_dir)
         resume = torch.zeros(1, dtype=torch.int64).share_memory_()
         try:
             queue = [] if await self._replay(target, donors, result) else list(donors)

@@ -281,12 +281,12 @@ def _state_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
              "(in memory if they fit averaging.serve_copy_in_memory_mb, else files)",
              "averaging/round_log.py RoundLog.record (OuterOptimizer.on_step)", "serve_change", shared=True,
              cpu=logged, gpu_host=logged),
-        # one shared-memory buffer for the whole sync (a broken download resumes into it), which the averager
-        # process fills; checked, copied into our state in place, then freed (not kept by either process's heap)
-        # (a GPU peer with its momentum on the GPU stages the momentum half in a file: state_files.staging_for)
-        _row("state downloaded (shared memory), checked, then copied in", "state/state_sync.py StateSync.sync; "
-             "averaging/state_transfer.py download; OuterOptimizer.load_state", "sync", shared=True,
-             cpu=2 * p + largest, gpu_host=(p if cfg.outer.momentum_on == "device" else 2 * p) + largest),
+        # one shared-memory buffer for the whole sync's weights (a broken download resumes into it), which the
+        # averager process fills; checked, copied into our state in place, then freed (not kept by either process's
+        # heap); the momentum half goes to a file of the spill directory (state_files.staging_for)
+        _row("state downloaded: weights (shared memory; the momentum in a file), checked, then copied in",
+             "state/state_sync.py StateSync.sync; averaging/state_transfer.py download; OuterOptimizer.load_state",
+             "sync", shared=True, cpu=p + largest, gpu_host=p + largest),
     ]
 
 
