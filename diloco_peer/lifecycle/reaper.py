@@ -153,7 +153,7 @@ def _shared_files(pid: str, directory: str) -> list[str]:
 def _descendants(process, managers: bool = False) -> list:
     """Every process under ``process`` (psutil), torch's shared-memory managers left out (``SHM_MANAGER``); with
     ``managers``, those managers only."""
-    return [c for c in process.children(recursive=True) if (_name(c) == SHM_MANAGER) == managers and _name(c)]
+    return [c for c in process.children(recursive=True) if (name := _name(c)) and (name == SHM_MANAGER) == managers]
 
 
 class Reaper:
