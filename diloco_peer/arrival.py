@@ -63,13 +63,3 @@ class EarlyAverage:
         return (result.ok and not exchange.dropped and not exchange.off_swarm and not result.values_not_averaged
                 and not refuse_update(result.averaged, result.sent_norm, self.max_ratio)
                 and not self.faults.refuses_average(self.outer.epoch + 1))
-
-
-def replica_copy(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The replica's weights, fp32 on the CPU (an overlapped round's start)."""
-    return [p.detach().to("cpu", torch.float32, copy=True) for p in model.parameters()]
-
-
-def progress_since(model: torch.nn.Module, start: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``replica - start``: the round's progress (relative to the true outer weights once the average arrived)."""
-    return [p.detach().to("cpu", torch.float32) - s for p, s in zip(model.parameters(), start)]

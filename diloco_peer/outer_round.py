@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from .arrival import EarlyAverage, progress_since, replica_copy
+from .arrival import EarlyAverage
 from .averaging.averager import RoundAverager, RoundResult
 from .averaging.robust_aggregation import refuse_update
 from .config import PeerConfig
@@ -51,7 +51,7 @@ from .round_record import Exchange, InnerResult, RoundRecord
 from .state.state_sync import StateSync
 from .state.target import after_failed_sync, swarm_target
 from .swarm.progress import ReadyDecision, SwarmProgress
-from .training.outer_optimizer import OuterOptimizer, evaluate_outer, overlap_offset
+from .training.outer_optimizer import OuterOptimizer, evaluate_outer, overlap_offset, progress_since, replica_copy
 from .training.trainer import ComputeThread, Trainer
 
 logger = logging.getLogger("diloco_peer")

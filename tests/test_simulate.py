@@ -15,6 +15,7 @@ from conftest import FAST
 from diloco_peer.averaging.compression import BLOCK, CODECS, ErrorFeedback
 from diloco_peer.config import load_config
 from diloco_peer.state.checkpoint import load_file
+from diloco_peer.tools.fragment_rounds import fragments_of, run_streaming
 from diloco_peer.tools.simulate import run_baseline, run_diloco
 from diloco_peer.training.model import build_model
 
@@ -118,6 +119,55 @@ def test_an_average_applied_as_it_arrives_computes_what_blocking_computes():
     default = run_diloco(eager_cfg, 2, rounds, overlap="eager")
     assert at_end.eval_loss == default.eval_loss
     assert abs(default.eval_loss[-1] - early.eval_loss[-1]) > 1e-4  # the arrival step matters
+
+
+def test_rounds_by_fragments_are_whole_rounds_with_one_fragment_and_stagger_with_more():
+    """``tools/fragment_rounds.py`` (the Streaming DiLoCo study engine): with P = 1 it computes what ``run_diloco``
+    computes, to the bit (blocking; eager with the average at inner step 2). With P = 3 (H = 4: fragments at offsets
+    0, 1 and 3) each fragment syncs every H steps plus once at the end, and the run trains."""
+    sets = [*GOLDEN_SETS, "data.max_bytes=300_000", "outer.inner_steps=4"]
+    rounds = 3
+    for mode, arrival in [("blocking", None), ("eager", 2)]:
+        cfg = load_config(None, [*sets, f"outer.overlap={mode}"])
+        whole = run_diloco(cfg, 2, rounds, "int8", mode, arrival=arrival)
+        one = run_streaming(cfg, 2, rounds, 1, "int8", mode, arrival=arrival)
+        assert one.eval_loss == whole.eval_loss and one.bytes_per_replica == whole.bytes_per_replica, mode
+    three = run_streaming(cfg, 2, rounds, 3, "int8", "eager", arrival=1)
+    model = build_model(cfg.model, 0)
+    sizes = [sum(list(model.parameters())[i].numel() for i in f) for f in fragments_of(model, 3)]
+    syncs = [rounds, rounds + 1, rounds + 1]  # fragment 0 at steps 4, 8, 12; 1 at 3, 7, 11, 12; 2 at 1, 5, 9, 12
+    # (send + receive) x 2 (K-1)/K x ~1.004 bytes per int8 value
+    values = sum(n * k for n, k in zip(sizes, syncs))
+    assert 2 * values < three.bytes_per_replica < 2 * 1.01 * values
+    assert len(three.eval_loss) == rounds + 1 and three.eval_loss[-1] < three.eval_loss[0] - 0.5
+    assert three.eval_loss[-1] != whole.eval_loss[-1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run it on the device machine)")
+@pytest.mark.parametrize("fragments", [1, 3])
+def test_eager_rounds_with_early_averages_simulate_on_a_gpu(fragments):
+    """A GPU replica's round start and progress are kept fp32 on the host, as the swarm keeps them; the average's
+    correction and the eager step cross to the GPU (a start kept on the GPU once failed: cuda vs cpu). Same run on
+    the host: the same curve up to the GPU's arithmetic."""
+    sets = [*GOLDEN_SETS, "data.max_bytes=300_000", "outer.inner_steps=4", "outer.overlap=eager",
+            "inner.precision=fp32"]
+    runs = {device: run_streaming(load_config(None, [*sets, f"inner.device={device}"]), 2, 3, fragments, "int8",
+                                  "eager", arrival=1) for device in ("cuda", "cpu")}
+    assert runs["cuda"].eval_loss[-1] < runs["cuda"].eval_loss[0] - 0.5
+    assert runs["cuda"].eval_loss == pytest.approx(runs["cpu"].eval_loss, abs=0.02)
+
+
+def test_fragments_are_consecutive_tensors_of_about_equal_size():
+    model = build_model(load_config(None, GOLDEN_SETS).model, 0)
+    tensors = len(list(model.parameters()))
+    for count in (1, 2, 5, 8):
+        fragments = fragments_of(model, count)
+        assert sum(fragments, []) == list(range(tensors))
+        sizes = [sum(list(model.parameters())[i].numel() for i in f) for f in fragments]
+        assert max(sizes) < 1.5 * sum(sizes) / count, (count, sizes)
+    for bad in (0, tensors + 1):
+        with pytest.raises(ValueError, match=f"fragments={bad}: the model has {tensors} parameter tensors"):
+            fragments_of(model, bad)
 
 
 @pytest.mark.slow

@@ -30,7 +30,13 @@ import time
 import torch
 
 from ..config import PeerConfig
-from ..training.outer_optimizer import OuterOptimizer, correct_on_arrival, overlap_offset
+from ..training.outer_optimizer import (
+    OuterOptimizer,
+    correct_on_arrival,
+    overlap_offset,
+    progress_since,
+    replica_copy,
+)
 from .simulate import SimRun, _aggregate, _allreduce_bytes, _replicas, _roundtrip_all, get_codec
 
 
@@ -59,7 +65,7 @@ class _Fragment:
         for trainer in trainers:
             params = list(trainer.model.parameters())
             self.outers.append(OuterOptimizer(torch.nn.ParameterList([params[i] for i in indices]), cfg.outer))
-        self.starts = [self._weights(o) for o in self.outers]
+        self.starts = [replica_copy(o.model) for o in self.outers]
         self.tokens = [0] * len(trainers)
         """Tokens each replica trained since this fragment's last sync (its weight in the average)."""
         self.pending: list[torch.Tensor] | None = None
@@ -67,9 +73,6 @@ class _Fragment:
         self.arrives_at: int | None = None
         """The inner step at which ``pending`` reaches the replicas (None: at the next sync)."""
 
-    @staticmethod
-    def _weights(outer: OuterOptimizer) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in outer.model.parameters()]
 
     def syncs_at(self, step: int, H: int, last: int) -> bool:
         return (step + self.offset) % H == 0 or step == last
@@ -87,8 +90,8 @@ class _Fragment:
         for outer, start in zip(self.outers, self.starts):
             if overlap == "blocking":
                 delta = outer.pseudo_gradient()
-            else:  # this round's own progress
-                delta = [s - p.detach() for s, p in zip(start, outer.model.parameters())]
+            else:  # this round's own progress, fp32 on the host
+                delta = [-d for d in progress_since(outer.model, start)]
             arrived, size = _roundtrip_all(wire, delta)
             own.append(delta)
             sent.append(arrived)
@@ -103,15 +106,15 @@ class _Fragment:
             if overlap == "blocking":
                 outer.step(average)
                 continue
-            progress = [p.detach() - s for p, s in zip(outer.model.parameters(), start)]
+            progress = progress_since(outer.model, start)
             if self.pending is not None:
                 outer.step(self.pending)
             else:
                 outer.load_into_model()
             with torch.no_grad():
                 for p, d in zip(outer.model.parameters(), overlap_offset(outer, overlap, progress)):
-                    p.add_(d)
-        self.starts = [self._weights(o) for o in self.outers]
+                    p.add_(d.to(p.device, p.dtype))
+        self.starts = [replica_copy(o.model) for o in self.outers]
         if overlap != "blocking":
             self.pending = average
         return moved

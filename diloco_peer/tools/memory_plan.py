@@ -248,9 +248,9 @@ def _round_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
                  _row("error feedback: pseudo-gradient, old residual, corrected", "OuterOptimizer.pseudo_gradient "
                       "(new tensors), ErrorFeedback.roundtrip", "allreduce", cpu=3 * p, gpu_host=3 * p)]
     if overlapped:
-        rows += [_row("replica at the round's start (overlap)", "outer_round.py OuterRounds._round (_cpu_copy)",
+        rows += [_row("replica at the round's start (overlap)", "outer_optimizer.replica_copy",
                       "resident", cpu=p, gpu_host=p),
-                 _row("unsent progress, eager step, eval copy", "outer_round.py _progress_since, "
+                 _row("unsent progress, eager step, eval copy", "outer_optimizer.progress_since, "
                       "OuterOptimizer.lookahead, evaluate_outer", "conclude", cpu=3 * p, gpu_host=3 * p)]
     return rows
 

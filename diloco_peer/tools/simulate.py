@@ -71,7 +71,14 @@ from ..config import AveragingConfig, InnerConfig, PeerConfig
 from ..observe.report import save_figure
 from ..training.data import Corpus
 from ..training.model import build_model
-from ..training.outer_optimizer import OuterOptimizer, correct_on_arrival, evaluate_outer, overlap_offset
+from ..training.outer_optimizer import (
+    OuterOptimizer,
+    correct_on_arrival,
+    evaluate_outer,
+    overlap_offset,
+    progress_since,
+    replica_copy,
+)
 from ..training.trainer import Trainer
 
 
@@ -161,8 +168,8 @@ def _local_round(trainer: Trainer, outer: OuterOptimizer, fb: ErrorFeedback | No
     tokens += trainer.train_steps(steps).tokens
     if overlap == "blocking":
         delta = outer.pseudo_gradient()
-    else:  # this round's own progress
-        delta = [s - p.detach() for s, p in zip(start, trainer.model.parameters())]
+    else:  # this round's own progress, fp32 on the host as the swarm's averager holds it
+        delta = [-d for d in progress_since(trainer.model, start)]
     if fb is not None:
         delta, size = fb.roundtrip(delta)
         return delta, delta, size, tokens
@@ -219,7 +226,7 @@ def _apply_overlapped(trainers: list[Trainer], outers: list[OuterOptimizer], sta
     each replica continues from them plus what ``overlap_offset`` puts on top: ``delayed``, its own progress
     of this round (not sent yet); ``eager``, the outer step it predicts from that progress."""
     for trainer, outer, start in zip(trainers, outers, starts):
-        progress = [p.detach() - s for p, s in zip(trainer.model.parameters(), start)]
+        progress = progress_since(trainer.model, start)
         if pending is not None:
             outer.step(pending)  # loads the new outer weights into the replica
         else:
@@ -227,7 +234,7 @@ def _apply_overlapped(trainers: list[Trainer], outers: list[OuterOptimizer], sta
         on_top = overlap_offset(outer, overlap, progress)
         with torch.no_grad():
             for p, d in zip(trainer.model.parameters(), on_top):
-                p.add_(d)
+                p.add_(d.to(p.device, p.dtype))
 
 
 def arrival_step(arrival, rnd: int, replica: int, H: int) -> int:
@@ -260,7 +267,7 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
     pending = None  # delayed mode: the average of the previous round, applied at the end of this one
     tokens = all_bytes = 0
     for rnd in range(1, rounds + 1):
-        starts = [[p.detach().clone() for p in t.model.parameters()] for t in trainers]
+        starts = [replica_copy(t.model) for t in trainers]  # (fp32 on the host, as the swarm keeps it)
         weights, own, sent = [], [], []
         for i, (trainer, outer, fb, start) in enumerate(zip(trainers, outers, feedback, starts)):
             arrived = None if pending is None else (arrival_step(arrival, rnd, i, cfg.outer.inner_steps), pending)

@@ -237,6 +237,16 @@ def overlap_offset(outer: OuterOptimizer, mode: str, progress: list[torch.Tensor
     return outer.lookahead([-d for d in progress])
 
 
+def replica_copy(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The replica's weights, fp32 on the CPU (an overlapped round's start)."""
+    return [p.detach().to("cpu", torch.float32, copy=True) for p in model.parameters()]
+
+
+def progress_since(model: torch.nn.Module, start: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``replica - start``: the round's progress (relative to the true outer weights once the average arrived)."""
+    return [p.detach().to("cpu", torch.float32) - s for p, s in zip(model.parameters(), start)]
+
+
 @torch.no_grad()
 def correct_on_arrival(outer: OuterOptimizer, average: list[torch.Tensor], start: list[torch.Tensor]) -> None:
     """Overlapped rounds: the last round's ``average`` arrived while this round trains; move the replica
