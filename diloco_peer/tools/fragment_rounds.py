@@ -73,7 +73,6 @@ class _Fragment:
         self.arrives_at: int | None = None
         """The inner step at which ``pending`` reaches the replicas (None: at the next sync)."""
 
-
     def syncs_at(self, step: int, H: int, last: int) -> bool:
         return (step + self.offset) % H == 0 or step == last
 
