@@ -17,7 +17,7 @@ has (a last, shorter round), so that the score includes every step.
 
 Each fragment's round is computed as ``simulate.run_diloco`` computes a round over all parameters: its own
 ``OuterOptimizer`` over the fragment's parameters (the replica's own tensors, so that it loads into the
-replica), its pseudo-gradient through the codec, the reducers' part-by-part aggregation (``simulate._aggregate``),
+replica), its pseudo-gradient through the codec, the reducers' part-by-part aggregation (``simulate.group_average``),
 and then either the outer step at once (blocking) or, overlapped, the previous average's outer step plus
 ``overlap_offset`` from the own progress, with the average applied ``arrival`` inner steps after the sync
 (``correct_on_arrival``). With P = 1 this computes what ``run_diloco`` computes, to the bit (tests/test_simulate.py).
@@ -29,15 +29,10 @@ import time
 
 import torch
 
+from ..averaging.compression import get_codec
 from ..config import PeerConfig
-from ..training.outer_optimizer import (
-    OuterOptimizer,
-    correct_on_arrival,
-    overlap_offset,
-    progress_since,
-    replica_copy,
-)
-from .simulate import SimRun, _aggregate, _allreduce_bytes, _replicas, _roundtrip_all, get_codec
+from ..training.outer_optimizer import OuterOptimizer, correct_on_arrival, progress_since, replica_copy
+from .simulate import SimRun, allreduce_bytes, continue_overlapped, group_average, replicas_for, roundtrip_all
 
 
 def fragments_of(model: torch.nn.Module, count: int) -> list[list[int]]:
@@ -91,28 +86,21 @@ class _Fragment:
                 delta = outer.pseudo_gradient()
             else:  # this round's own progress, fp32 on the host
                 delta = [-d for d in progress_since(outer.model, start)]
-            arrived, size = _roundtrip_all(wire, delta)
+            arrived, size = roundtrip_all(wire, delta)
             own.append(delta)
             sent.append(arrived)
-            moved += _allreduce_bytes(len(self.outers), size)
+            moved += allreduce_bytes(len(self.outers), size)
         if len(self.outers) == 1:
             average = sent[0]
         else:
-            average, refused = _aggregate(own, sent, self.tokens, wire, codec, cfg.averaging)
+            average, refused = group_average(own, sent, self.tokens, wire, codec, cfg.averaging)
             run.refused += refused
         self.tokens = [0] * len(self.outers)
         for outer, start in zip(self.outers, self.starts):
             if overlap == "blocking":
                 outer.step(average)
-                continue
-            progress = progress_since(outer.model, start)
-            if self.pending is not None:
-                outer.step(self.pending)
             else:
-                outer.load_into_model()
-            with torch.no_grad():
-                for p, d in zip(outer.model.parameters(), overlap_offset(outer, overlap, progress)):
-                    p.add_(d.to(p.device, p.dtype))
+                continue_overlapped(outer, start, self.pending, overlap)
         self.starts = [replica_copy(o.model) for o in self.outers]
         if overlap != "blocking":
             self.pending = average
@@ -151,7 +139,7 @@ def run_streaming(cfg: PeerConfig, replicas: int, rounds: int, fragments: int, c
     last = rounds * H
     run = SimRun(f"streaming-p{fragments}-k{replicas}-{codec}-{overlap}", "diloco", replicas, codec, overlap,
                  cfg.averaging.aggregation)
-    trainers, _, _ = _replicas(cfg, replicas, init, wire, False)
+    trainers, _, _ = replicas_for(cfg, replicas, init, wire, False)
     parts = [_Fragment(cfg, trainers, indices, round(p * H / fragments))
              for p, indices in enumerate(fragments_of(trainers[0].model, fragments))]
     run.tokens.append(0)

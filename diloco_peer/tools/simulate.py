@@ -110,7 +110,7 @@ class SimRun:
         return {**self.__dict__, "final_eval_loss": self.eval_loss[-1], "final_ppl": self.final_ppl}
 
 
-def _allreduce_bytes(replicas: int, payload: int) -> int:
+def allreduce_bytes(replicas: int, payload: int) -> int:
     """Bytes one of ``replicas`` peers sends and receives in a butterfly all-reduce of ``payload`` bytes."""
     return 0 if replicas == 1 else round(2 * 2 * (replicas - 1) / replicas * payload)
 
@@ -140,7 +140,7 @@ def _model(cfg: PeerConfig, init: dict[str, torch.Tensor] | None) -> torch.nn.Mo
     return model
 
 
-def _replicas(cfg: PeerConfig, replicas: int, init: dict[str, torch.Tensor] | None, wire, error_feedback: bool,
+def replicas_for(cfg: PeerConfig, replicas: int, init: dict[str, torch.Tensor] | None, wire, error_feedback: bool,
               inner: list[InnerConfig] | None = None):
     """K replicas as K peers hold them: a trainer on data shard i of K (with ``inner[i]``, else ``cfg.inner``),
     an outer optimizer, and with ``error_feedback`` the codec's rounding error carried over from its last round."""
@@ -173,7 +173,7 @@ def _local_round(trainer: Trainer, outer: OuterOptimizer, fb: ErrorFeedback | No
     if fb is not None:
         delta, size = fb.roundtrip(delta)
         return delta, delta, size, tokens
-    arrived, size = _roundtrip_all(wire, delta)
+    arrived, size = roundtrip_all(wire, delta)
     return delta, arrived, size, tokens
 
 
@@ -192,7 +192,7 @@ def _refuses(average: torch.Tensor, mine: torch.Tensor, limits: Limits) -> bool:
     return False
 
 
-def _aggregate(own: list[list[torch.Tensor]], sent: list[list[torch.Tensor]], weights: list[int], wire, codec: str,
+def group_average(own: list[list[torch.Tensor]], sent: list[list[torch.Tensor]], weights: list[int], wire, codec: str,
                cfg: AveragingConfig) -> tuple[list[torch.Tensor], int]:
     """The group's average as the swarm's reducers compute it, part by part (see the module docstring), after
     crossing the wire back; and the number of contributions the swarm's checks would have refused.
@@ -220,21 +220,20 @@ def _aggregate(own: list[list[torch.Tensor]], sent: list[list[torch.Tensor]], we
     return average, refused
 
 
-def _apply_overlapped(trainers: list[Trainer], outers: list[OuterOptimizer], starts: list[list[torch.Tensor]],
-                      pending: list[torch.Tensor] | None, overlap: str) -> None:
-    """Overlap at the end of a round: the previous round's average (``pending``) moves the outer weights, and
-    each replica continues from them plus what ``overlap_offset`` puts on top: ``delayed``, its own progress
-    of this round (not sent yet); ``eager``, the outer step it predicts from that progress."""
-    for trainer, outer, start in zip(trainers, outers, starts):
-        progress = progress_since(trainer.model, start)
-        if pending is not None:
-            outer.step(pending)  # loads the new outer weights into the replica
-        else:
-            outer.load_into_model()
-        on_top = overlap_offset(outer, overlap, progress)
-        with torch.no_grad():
-            for p, d in zip(trainer.model.parameters(), on_top):
-                p.add_(d.to(p.device, p.dtype))
+def continue_overlapped(outer: OuterOptimizer, start: list[torch.Tensor], pending: list[torch.Tensor] | None,
+                        overlap: str) -> None:
+    """Overlap at the end of a round, for one replica (``outer.model``): the previous round's average
+    (``pending``) moves the outer weights, and the replica continues from them plus what ``overlap_offset`` puts
+    on top: ``delayed``, its own progress of this round (not sent yet); ``eager``, the outer step it predicts
+    from that progress."""
+    progress = progress_since(outer.model, start)
+    if pending is not None:
+        outer.step(pending)  # loads the new outer weights into the replica
+    else:
+        outer.load_into_model()
+    with torch.no_grad():
+        for p, d in zip(outer.model.parameters(), overlap_offset(outer, overlap, progress)):
+            p.add_(d.to(p.device, p.dtype))
 
 
 def arrival_step(arrival, rnd: int, replica: int, H: int) -> int:
@@ -261,7 +260,7 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
     aggregation = cfg.averaging.aggregation
     suffix = "" if aggregation == "mean" else f"-{aggregation}"
     run = SimRun(f"diloco-k{replicas}-{codec}-{overlap}{suffix}", "diloco", replicas, codec, overlap, aggregation)
-    trainers, outers, feedback = _replicas(cfg, replicas, init, wire, error_feedback, inner)
+    trainers, outers, feedback = replicas_for(cfg, replicas, init, wire, error_feedback, inner)
     run.tokens.append(0)
     run.eval_loss.append(trainers[0].evaluate())
     pending = None  # delayed mode: the average of the previous round, applied at the end of this one
@@ -277,17 +276,18 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
             weights.append(trained)
             own.append(held)
             sent.append(delta)
-            all_bytes += _allreduce_bytes(replicas, size)
+            all_bytes += allreduce_bytes(replicas, size)
         if replicas == 1:  # nothing to average with
-            average, _ = _roundtrip_all(wire, sent[0])
+            average, _ = roundtrip_all(wire, sent[0])
         else:
-            average, refused = _aggregate(own, sent, weights, wire, codec, cfg.averaging)
+            average, refused = group_average(own, sent, weights, wire, codec, cfg.averaging)
             run.refused += refused
         if overlap == "blocking":
             for outer in outers:
                 outer.step(average)
         else:
-            _apply_overlapped(trainers, outers, starts, pending, overlap)
+            for outer, start in zip(outers, starts):
+                continue_overlapped(outer, start, pending, overlap)
             pending = average
         if on_round is not None:
             on_round(rnd, outers[0].params)
@@ -302,7 +302,7 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
     return run
 
 
-def _roundtrip_all(codec, tensors):
+def roundtrip_all(codec, tensors):
     """``tensors`` encoded and decoded by ``codec``, as they arrive; and their encoded size in bytes."""
     out, total = [], 0
     for t in tensors:
@@ -327,7 +327,7 @@ def run_baseline(cfg: PeerConfig, kind: str, replicas: int, rounds: int,
     gradient_bytes = 4 * sum(p.numel() for p in trainer.model.parameters())
     for _ in range(rounds):
         tokens += trainer.train_steps(H).tokens
-        run.bytes_per_replica += H * _allreduce_bytes(workers, gradient_bytes)
+        run.bytes_per_replica += H * allreduce_bytes(workers, gradient_bytes)
         run.tokens.append(tokens)
         run.eval_loss.append(trainer.evaluate())
     run.seconds = time.perf_counter() - started
