@@ -32,7 +32,7 @@ import torch
 from ..averaging.compression import get_codec
 from ..config import PeerConfig
 from ..training.outer_optimizer import OuterOptimizer, correct_on_arrival, progress_since, replica_copy
-from .simulate import SimRun, allreduce_bytes, continue_overlapped, group_average, replicas_for, roundtrip_all
+from .simulate import SimRun, allreduce_bytes, continue_overlapped, group_average, roundtrip_all, trainers_for
 
 
 def fragments_of(model: torch.nn.Module, count: int) -> list[list[int]]:
@@ -139,7 +139,7 @@ def run_streaming(cfg: PeerConfig, replicas: int, rounds: int, fragments: int, c
     last = rounds * H
     run = SimRun(f"streaming-p{fragments}-k{replicas}-{codec}-{overlap}", "diloco", replicas, codec, overlap,
                  cfg.averaging.aggregation)
-    trainers, _, _ = replicas_for(cfg, replicas, init, wire, False)
+    trainers = trainers_for(cfg, replicas, init)
     parts = [_Fragment(cfg, trainers, indices, round(p * H / fragments))
              for p, indices in enumerate(fragments_of(trainers[0].model, fragments))]
     run.tokens.append(0)

@@ -140,17 +140,11 @@ def _model(cfg: PeerConfig, init: dict[str, torch.Tensor] | None) -> torch.nn.Mo
     return model
 
 
-def replicas_for(cfg: PeerConfig, replicas: int, init: dict[str, torch.Tensor] | None, wire, error_feedback: bool,
-              inner: list[InnerConfig] | None = None):
-    """K replicas as K peers hold them: a trainer on data shard i of K (with ``inner[i]``, else ``cfg.inner``),
-    an outer optimizer, and with ``error_feedback`` the codec's rounding error carried over from its last round."""
-    trainers, outers, feedback = [], [], []
-    for i in range(replicas):
-        trainer = Trainer(_model(cfg, init), _corpus(cfg, i, replicas), inner[i] if inner else cfg.inner)
-        trainers.append(trainer)
-        outers.append(OuterOptimizer(trainer.model, cfg.outer))
-        feedback.append(ErrorFeedback(wire) if error_feedback else None)
-    return trainers, outers, feedback
+def trainers_for(cfg: PeerConfig, replicas: int, init: dict[str, torch.Tensor] | None,
+                 inner: list[InnerConfig] | None = None) -> list[Trainer]:
+    """K replicas as K peers train them: a trainer on data shard i of K (with ``inner[i]``, else ``cfg.inner``)."""
+    return [Trainer(_model(cfg, init), _corpus(cfg, i, replicas), inner[i] if inner else cfg.inner)
+            for i in range(replicas)]
 
 
 def _local_round(trainer: Trainer, outer: OuterOptimizer, fb: ErrorFeedback | None, start: list[torch.Tensor],
@@ -260,7 +254,9 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
     aggregation = cfg.averaging.aggregation
     suffix = "" if aggregation == "mean" else f"-{aggregation}"
     run = SimRun(f"diloco-k{replicas}-{codec}-{overlap}{suffix}", "diloco", replicas, codec, overlap, aggregation)
-    trainers, outers, feedback = replicas_for(cfg, replicas, init, wire, error_feedback, inner)
+    trainers = trainers_for(cfg, replicas, init, inner)
+    outers = [OuterOptimizer(t.model, cfg.outer) for t in trainers]
+    feedback = [ErrorFeedback(wire) if error_feedback else None for _ in trainers]  # each codec's carried error
     run.tokens.append(0)
     run.eval_loss.append(trainers[0].evaluate())
     pending = None  # delayed mode: the average of the previous round, applied at the end of this one
