@@ -24,6 +24,7 @@ that a hivemind upgrade that changes them fails a test until the copies are look
 from __future__ import annotations
 
 import asyncio
+import time
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
@@ -40,6 +41,7 @@ from .compression import deserialize
 from .robust_aggregation import BadContribution, CheckedPartReducer, Limits, check_average
 
 SENT, RECEIVED, FAILED_VALUES, TRANSFER_US, RELAYED = 0, 1, 2, 3, 4
+GONE_WITHIN = 3.0  # seconds: how long a reducer we lost may keep its connection and still count as gone
 
 
 class _CountingStub:
@@ -194,6 +196,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             return
         # as in hivemind, but decoding with our codecs too
         try:
+            await self._faults.hold_sending(self._allreduce)  # fault injection: crash_in_allreduce
             done_sending = asyncio.Event()
             inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
             stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
@@ -203,9 +206,38 @@ class ExactAllReduceRunner(AllReduceRunner):
             expected = self.tensor_part_container.num_parts_by_peer[peer_index]
             if received != expected:
                 raise AllreduceException(f"peer {peer_id} sent {received} parts, but we expected {expected}")
-        except BaseException:
+        except BaseException as e:
             self.tensor_part_container.register_failed_reducer(peer_index)
+            if isinstance(e, Exception):
+                await self._drop_if_gone(peer_id)
             raise
+
+    async def _drop_if_gone(self, peer_id: PeerID) -> None:
+        """Our exchange with reducer ``peer_id`` failed. If it has not begun to send us its own parts either, and
+        our p2pd's connection to it goes away within ``GONE_WITHIN`` seconds, it is gone (a crash mid-round: its
+        averager died at once, and the reaper takes its p2pd within half a second): drop it as a sender now.
+        hivemind would wait ``sender_timeout`` for parts that never come (a 30 s round with the default
+        ``allreduce_timeout``, where the others took 0.4 s). A reducer that stays connected (a stream reset while
+        both ends live on) or that begins to send keeps its place."""
+        deadline = time.monotonic() + GONE_WITHIN
+        while peer_id in self.sender_peer_ids and peer_id not in self.active_senders | self.banned_senders:
+            try:
+                peers = await asyncio.wait_for(internals.p2p_of(self).list_peers(), GONE_WITHIN)
+            except Exception:  # a p2pd that does not answer tells us nothing: hivemind's timeout decides
+                return
+            if peer_id not in {info.peer_id for info in peers}:
+                await self._ban_sender(peer_id)
+                return
+            if time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.1)
+
+    async def _ban_sender(self, peer_id: PeerID) -> None:
+        await super()._ban_sender(peer_id)
+        # hivemind's wait for senders that never started (``_handle_missing_senders``, which the round awaits) ends
+        # when every sender has started; one dropped before it did has nothing left to wait for
+        if self.active_senders | self.banned_senders >= set(self.sender_peer_ids):
+            self.all_senders_started.set()
 
     async def _receive_averages(self, peer_id: PeerID, peer_index: int, stream) -> int:
         """The averages reducer ``peer_id`` sends us, each checked and registered as it comes; returns their number.

@@ -122,9 +122,17 @@ INVENTORY = (
                "allreduce.ExactAllReduceRunner: calls our _accumulate_parts_streaming(stream, sender_index)",
                ("stream", "context"), "c66765f4ad58eeaf01a350466686af1cf5f96406ea0aa88e1fa4dcda2c13ad6a"),
     PrivateUse(RUNNER, "_ban_sender", "call", "ban_sender", ("peer_id",)),
+    PrivateUse(RUNNER, "_ban_sender", "override",
+               "allreduce.ExactAllReduceRunner: sets all_senders_started once every sender started or was dropped",
+               ("peer_id",)),
+    PrivateUse(RUNNER, "_handle_missing_senders", "relies",
+               "allreduce.ExactAllReduceRunner._ban_sender: the run waits sender_timeout for all_senders_started, "
+               "then drops the senders that never started", (),
+               "cc0d3fc90b383f5870ac0251d53cf5c5667295aa60b585d07d41517b272f3051"),
     *_reads(RUNNER, "allreduce.ExactAllReduceRunner", "tensor_part_container", "tensor_part_reducer",
             "sender_peer_ids", "banned_senders", "peer_id", "ordered_peer_ids", "parts_for_local_averaging",
-            "weight", "reducer_timeout", "should_delay_results"),
+            "weight", "reducer_timeout", "should_delay_results", "active_senders", "all_senders_started"),
+    *_reads(RUNNER, "p2p_of", "_p2p"),
     *_reads(CONTAINER, "own_input_parts", "_input_parts_by_peer"),
     *_reads(CONTAINER, "allreduce.ExactAllReduceRunner", "return_deltas", "compression", "prefetch",
             "num_parts_by_peer", "failed_size", "register_processed_part", "register_failed_reducer"),
@@ -142,9 +150,9 @@ INVENTORY = (
 
 # --- the averager: call these in its own process unless said otherwise
 
-def p2p_of(averager: DecentralizedAverager) -> P2P:
-    """The averager process's P2P (``_p2p``), which its handlers and all-reduces use."""
-    return averager._p2p
+def p2p_of(owner: DecentralizedAverager | AllReduceRunner) -> P2P:
+    """The averager process's P2P (``_p2p``), which its handlers and all-reduces (``owner``: either) use."""
+    return owner._p2p
 
 
 def running_group(averager: DecentralizedAverager, group_id: bytes) -> asyncio.Future:

@@ -13,7 +13,8 @@ parameter) does nothing: every hook is a no-op.
 One fault at a time:
 
 - ``crash_in_allreduce:N``: die (SIGKILL, the daemon process too) in the middle of our N-th all-reduce, as a
-  reducer that has received a first part and answered nobody yet: the worst moment for the others;
+  reducer that has received a first part, answered nobody yet and sent nobody a part of its own (it never opens
+  its streams): the worst moment for the others;
 - ``poison:nan`` / ``poison:X`` / ``poison:signflip``: send NaNs / our pseudo-gradient times X / its negation;
   ``poison:shape`` sends every part one value short (a buggy fork); ``poison:weight`` claims 1e12 tokens;
   ``poison:averages`` sends honestly but, as a reducer, returns every average negated (our own stays true);
@@ -142,6 +143,12 @@ class Faults:
         if self.crash_in_allreduce and allreduce == self.crash_in_allreduce:
             os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    async def hold_sending(self, allreduce: int) -> None:
+        """Called before we open a stream to another reducer in our ``allreduce``-th all-reduce: in the one we
+        crash in, never return (we die first, with our parts sent to nobody)."""
+        if self.crash_in_allreduce and allreduce == self.crash_in_allreduce:
+            await asyncio.Event().wait()
 
     def refuses_average(self, round_number: int) -> str:
         """Why we refuse the group's average of round ``round_number`` ("" unless ``refuse_round`` names it).
