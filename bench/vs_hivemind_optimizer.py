@@ -21,10 +21,11 @@ as OpenDiLoCo's pseudo-gradient all-reduce does. (Found here: with a synchronous
 ``.step()`` after an epoch's end waits for that "background" round, matchmaking included:
 ``TrainingStateAverager.step`` waits for pending updates whenever it runs an optimizer step under the
 delta rule.) A round = one hivemind epoch; the local steps per epoch vary around H (the tracker ends an
-epoch on its estimate of the swarm's samples) and are printed. Per peer, over the rounds
-after the first (start-up), wall time per round and utilization = compute / wall, where compute = batch
-sampling + forward + backward + clipping + the inner AdamW step (timed by optimizer hooks, so hivemind's
-progress reports and averaging inside ``.step()`` count as not computing), as our Trainer's timer counts.
+epoch on its estimate of the swarm's samples) and are printed. Per peer, over the rounds after the first
+``--skip`` (start-up: hivemind's first two epochs can be 1-3 local steps long), wall time per round and
+utilization = compute / wall, where compute = batch sampling + forward + backward + clipping + the inner AdamW
+step (timed by optimizer hooks, so hivemind's progress reports and averaging inside ``.step()`` count as not
+computing), as our Trainer's timer counts.
 
 our side: ``swarm_bench.run_swarm`` (diloco-peer join processes) with the same overrides plus ``--ours``;
 utilization = compute_seconds / round_seconds of its round events (definitions in swarm_bench.py).
@@ -123,7 +124,7 @@ def hivemind_peer(args: argparse.Namespace) -> None:
     compute, in_step, longest, steps, epoch, marks = 0.0, 0.0, 0.0, 0, opt.local_epoch, []
     deadline = time.monotonic() + args.timeout
     model.train()
-    while opt.local_epoch < args.rounds + 2 and time.monotonic() < deadline:
+    while opt.local_epoch < args.skip + args.rounds + 1 and time.monotonic() < deadline:
         started = time.perf_counter()
         for group in adamw.param_groups:
             group["lr"] = inner.lr * lr_factor(steps, inner)
@@ -159,7 +160,8 @@ def run_hivemind(net: SlowNetwork, args: argparse.Namespace, work: Path) -> dict
     try:
         for i in range(PEERS):
             argv = [sys.executable, __file__, "--peer", str(i), "--address", net.address(i), "--workdir", str(work),
-                    "--H", str(args.H), "--rounds", str(args.rounds), "--timeout", str(args.timeout),
+                    "--H", str(args.H), "--rounds", str(args.rounds), "--skip", str(args.skip),
+                    "--timeout", str(args.timeout),
                     *(["--hivemind-blocking"] if args.hivemind_blocking else []),
                     *[x for item in args.overrides for x in ("--set", item)]]
             log = open(work / f"peer-{i}.log", "w")
@@ -183,10 +185,11 @@ def run_hivemind(net: SlowNetwork, args: argparse.Namespace, work: Path) -> dict
     for i in range(PEERS):
         result = json.loads((work / f"peer-{i}.json").read_text())
         marks = {m["epoch"]: m for m in result["marks"]}  # an epoch may be skipped by a state download
-        if 1 not in marks or args.rounds + 1 not in marks:
-            sys.exit(f"vs_hivemind_optimizer: hivemind peer {i} did not pass epochs 1..{args.rounds + 1} "
+        if args.skip not in marks or args.skip + args.rounds not in marks:
+            sys.exit(f"vs_hivemind_optimizer: hivemind peer {i} did not pass epochs {args.skip}.."
+                     f"{args.skip + args.rounds} "
                      f"(passed {sorted(marks)}); see {work}/peer-{i}.log")
-        first, last = marks[1], marks[args.rounds + 1]
+        first, last = marks[args.skip], marks[args.skip + args.rounds]
         wall = last["time"] - first["time"]
         log = (work / f"peer-{i}.log").read_text()
         epochs = sorted(marks)
@@ -223,8 +226,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="H=30, 2 measured rounds per side (~2.5 min)")
     parser.add_argument("--mbit", type=float, default=50.0, help="link rate of every peer, up and down (default 50)")
     parser.add_argument("--H", type=int, default=None, help="inner steps per round (default 60; quick 30)")
-    parser.add_argument("--rounds", type=int, default=None, help="measured rounds after the first (default 5; "
-                        "quick 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="measured rounds after the first --skip (default "
+                        "5; quick 2)")
+    parser.add_argument("--skip", type=int, default=2, help="start-up rounds not measured, each side (default 2: "
+                        "hivemind's first two epochs took 1-3 local steps each in two quick runs)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for both sides, e.g. --set model.hidden_size=192")
     parser.add_argument("--ours", action="append", default=None, metavar="KEY=VALUE",
@@ -257,7 +262,7 @@ def main() -> None:
         sys.exit(f"vs_hivemind_optimizer: {e}")
     hm_mode = "blocking" if args.hivemind_blocking else "background (delta rule)"
     print(f"{PEERS} peers on {args.mbit:g} Mbit/s links, H={args.H}, batch {cfg.inner.batch_size}x{cfg.data.seq_len}, "
-          f"{args.rounds} measured rounds after the first; hivemind averaging {hm_mode}; ours {ours}; "
+          f"{args.rounds} measured rounds after the first {args.skip}; hivemind averaging {hm_mode}; ours {ours}; "
           f"overrides {args.overrides or 'none'}", flush=True)
     with tempfile.TemporaryDirectory(prefix="dlp-vs-hivemind-") as tmp:
         started = time.monotonic()
@@ -268,8 +273,8 @@ def main() -> None:
         if args.hivemind_only:
             return print_hivemind(hm, args)
         with SlowNetwork(PEERS, args.mbit) as net:
-            us = run_swarm(net, [f"outer.inner_steps={args.H}", *args.overrides, *ours], args.rounds + 1,
-                           Path(tmp) / "ours")
+            us = run_swarm(net, [f"outer.inner_steps={args.H}", *args.overrides, *ours], args.rounds + args.skip,
+                           Path(tmp) / "ours", skip=args.skip)
         print(f"diloco-peer side done in {time.monotonic() - started:.0f}s\n", flush=True)
     hm_util, hm_spr, hm_bytes = print_hivemind(hm, args)
     print(f"\n{'':<22} {'s/round':>8} {'utilization':>11} {'MB/peer/round':>13}")
@@ -287,7 +292,7 @@ def main() -> None:
     save([figure("vs_hivemind_optimizer", round(us["utilization"], 4), round(hm_util, 4), link_mbit=args.mbit,
                  model_params=hm[0]["parameters"], H=args.H, batch=f"{cfg.inner.batch_size}x{cfg.data.seq_len}",
                  codec=codec, overlap=overlap, hivemind_averaging=hm_mode, overrides=args.overrides,
-                 rounds=args.rounds, mode="quick" if args.quick else "full",
+                 rounds=args.rounds, skip=args.skip, mode="quick" if args.quick else "full",
                  seconds_per_round={"ours": round(us["seconds_per_round"], 3), "hivemind": round(hm_spr, 3)})])
     print("wrote figure vs_hivemind_optimizer to bench/results.json")
 
