@@ -218,7 +218,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         averager died at once, and the reaper takes its p2pd within half a second): drop it as a sender now.
         hivemind would wait ``sender_timeout`` for parts that never come (a 30 s round with the default
         ``allreduce_timeout``, where the others took 0.4 s). A reducer that stays connected (a stream reset while
-        both ends live on) or that begins to send keeps its place."""
+        both ends live on) or that begins to send keeps its place. (If we reduce nothing, nobody sends to us.)"""
+        if not self.parts_for_local_averaging:
+            return
         deadline = time.monotonic() + GONE_WITHIN
         while peer_id in self.sender_peer_ids and peer_id not in self.active_senders | self.banned_senders:
             try:
