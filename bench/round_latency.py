@@ -10,6 +10,11 @@ leader's event loop has not been on time, ``hivemind_internals.LoopLag``), waite
 
     .venv/bin/python bench/round_latency.py                  # tiny-cpu (0.36M parameters), 20 rounds each
     .venv/bin/python bench/round_latency.py --rounds 30 --set averaging.compression=int8
+    .venv/bin/python bench/round_latency.py --first-rounds 4 --pause 3   # the first round, 3 s after the start
+
+``--first-rounds N``: instead, N pairs of fresh groups whose first round begins ``--pause`` seconds after their
+averagers start, side by side: the loop watch as shipped (calm once it has run a join request's timeout) and
+as it was until 2026-11-27 (a whole window, 5 s: a first round within 5 s of the start waited the grace).
 """
 
 from __future__ import annotations
@@ -62,12 +67,35 @@ def _summary(times: list[tuple[float, float]], skip: int) -> str:
             f"{statistics.median(total) - statistics.median(transfer):.3f} s")
 
 
+def _first_rounds(nodes: list[DHT], shapes, cfg, count: int, pause: float) -> None:
+    """``count`` first rounds per loop watch, the two watches taking turns (fresh averager processes each)."""
+    shipped = hivemind_internals.LoopLag
+    watches = {"as shipped": shipped, "a whole window": lambda watched=None: shipped()}
+    firsts: dict[str, list[float]] = {name: [] for name in watches}
+    try:
+        for turn in range(count):
+            for name, watch in watches.items():
+                hivemind_internals.LoopLag = watch
+                firsts[name].append(_measure(nodes, shapes, cfg, 1, pause, f"first-{turn}-{len(firsts[name])}-"
+                                             f"{name.replace(' ', '-')}")[0][0])
+    finally:
+        hivemind_internals.LoopLag = shipped
+    print(f"first rounds, {pause:g} s after the averagers start:")
+    for name, times in firsts.items():
+        print(f"  loop watch {name:<15} all-reduce {', '.join(f'{t:.3f}' for t in times)} s; median "
+              f"{statistics.median(times):.3f} s")
+    print(f"ratio as shipped / a whole window: "
+          f"{statistics.median(firsts['as shipped']) / statistics.median(firsts['a whole window']):.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=None, help="a shipped config name or a path (default: tiny-cpu)")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--pause", type=float, default=1.0, help="seconds between rounds (default 1.0)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--first-rounds", type=int, default=0, metavar="N",
+                        help="measure N first rounds per loop watch instead (see the module docstring)")
     args = parser.parse_args()
     cfg = load_config(args.config, args.set)
     shapes = parameter_shapes(cfg.model)
@@ -78,6 +106,12 @@ def main() -> None:
                  initial_peers=[str(a) for a in root.get_visible_maddrs()]) for _ in range(3)]
     # the first rounds of a run: connections open, and the grace is waited until the loop watch has a window
     skip = min(args.rounds - 1, int(hivemind_internals.LoopLag().window / (args.pause + 0.2)) + 2)
+    if args.first_rounds:
+        try:
+            return _first_rounds(nodes, shapes, cfg, args.first_rounds, args.pause)
+        finally:
+            for node in [*nodes, root]:
+                node.shutdown()
     grace, calm = hivemind_internals.ASSEMBLY_GRACE, hivemind_internals.LoopLag.calm
     runs = {}
     try:

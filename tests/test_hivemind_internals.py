@@ -202,8 +202,9 @@ def test_the_scan_finds_a_private_read(tmp_path):
 
 def test_a_leader_forms_its_full_group_at_once_while_its_loop_is_on_time_and_after_the_grace_otherwise(monkeypatch):
     """The grace before forming a full group guards against a follower that gave up on a late answer: a leader
-    whose event loop has woken on time for a whole window answers at once (``LoopLag.calm``) and skips it."""
-    monkeypatch.setattr(hivemind_internals, "LoopLag", lambda: LoopLag(period=0.02, window=0.3, limit=0.05))
+    whose event loop has woken on time for a whole window answers at once (``LoopLag.calm``) and skips it; from
+    the start, once the watch has run for a join request's timeout (every request still waiting came meanwhile)."""
+    monkeypatch.setattr(hivemind_internals, "LoopLag", lambda **kw: LoopLag(period=0.02, window=0.3, limit=0.05, **kw))
 
     async def scenario() -> dict[str, float]:
         formed = []
@@ -212,7 +213,7 @@ def test_a_leader_forms_its_full_group_at_once_while_its_loop_is_on_time_and_aft
             formed.append(time.monotonic())
             return "group"
 
-        matchmaking = types.SimpleNamespace(target_group_size=None, leader_assemble_group=assemble,
+        matchmaking = types.SimpleNamespace(target_group_size=None, leader_assemble_group=assemble, request_timeout=0.1,
                                             assembled_group=asyncio.get_running_loop().create_future())
         hivemind_internals.set_target_group_size(types.SimpleNamespace(_matchmaking=matchmaking), 3)
         took = {}
@@ -222,8 +223,10 @@ def test_a_leader_forms_its_full_group_at_once_while_its_loop_is_on_time_and_aft
             assert await matchmaking.leader_assemble_group() == "group"
             took[name] = formed[-1] - started
 
-        await form("before a whole window was watched")
-        await asyncio.sleep(0.4)
+        await form("before a request's timeout was watched")
+        await asyncio.sleep(0.15)
+        await form("on time since the start, for a request's timeout")
+        await asyncio.sleep(0.25)
         await form("on time for a window")
         time.sleep(0.15)  # the loop is blocked (a busy leader)
         await form("right after a late wake-up")
@@ -236,7 +239,8 @@ def test_a_leader_forms_its_full_group_at_once_while_its_loop_is_on_time_and_aft
     took = asyncio.run(scenario())
     grace = hivemind_internals.ASSEMBLY_GRACE
     waited = {name: seconds >= grace for name, seconds in took.items()}
-    assert waited == {"before a whole window was watched": True, "on time for a window": False,
+    assert waited == {"before a request's timeout was watched": True,
+                      "on time since the start, for a request's timeout": False, "on time for a window": False,
                       "right after a late wake-up": True, "within the window of a late wake-up": True,
                       "on time again for a window": False}, took
 
