@@ -5,10 +5,14 @@ the group gets the very same bytes (hivemind's stock delta-based result does not
 """
 
 import asyncio
+import time
+import types
 
 import pytest
 import torch
 
+from diloco_peer.averaging import allreduce as allreduce_module
+from diloco_peer.averaging.allreduce import ExactAllReduceRunner
 from diloco_peer.averaging.averager import RoundAverager
 from diloco_peer.averaging.compression import BLOCK
 from diloco_peer.config import AveragingConfig
@@ -216,3 +220,48 @@ def test_a_member_that_leaves_mid_allreduce_lets_it_end_before_stopping(dhts):
         leaving.shutdown()
     assert result.ok and result.group_size == 2 and result.values_not_averaged == 0, result
     assert waited > 0.05 and not leaving.exchanging
+
+
+def _runner_losing(connected: list[list[str]], active: set[str], reduces: bool = True):
+    """An ``ExactAllReduceRunner`` as far as ``_drop_if_gone`` and ``_ban_sender`` see it (no group, no processes):
+    senders us, x and y; our p2pd lists ``connected[i]`` at its i-th call (the last one from then on)."""
+    runner = ExactAllReduceRunner.__new__(ExactAllReduceRunner)
+    calls = []
+
+    async def list_peers():
+        calls.append(time.monotonic())
+        return [types.SimpleNamespace(peer_id=p) for p in connected[min(len(calls), len(connected)) - 1]]
+
+    failed = []
+    runner.sender_peer_ids, runner.active_senders, runner.banned_senders = ["us", "x", "y"], set(active), set()
+    runner.banlock, runner.all_senders_started = asyncio.Lock(), asyncio.Event()
+    runner.tensor_part_reducer = types.SimpleNamespace(on_sender_failed=failed.append)
+    runner.parts_for_local_averaging = (torch.zeros(3),) if reduces else ()
+    runner._p2p = types.SimpleNamespace(list_peers=list_peers)
+    return runner, calls, failed
+
+
+@pytest.mark.parametrize("case", ["gone at once", "gone after a while", "stays connected", "starts sending",
+                                  "we reduce nothing"])
+def test_a_reducer_we_lost_that_never_sent_to_us_is_dropped_as_a_sender_once_its_connection_goes(monkeypatch, case):
+    """A member that crashed mid all-reduce before it sent us anything (``crash_in_allreduce``) used to hold the
+    round for hivemind's ``sender_timeout`` (30 s by default); dropped once its p2pd connection goes, the wait for
+    missing senders ends at once. One still connected, or that starts to send, keeps its place."""
+    monkeypatch.setattr(allreduce_module, "GONE_WITHIN", 0.3)
+    connected = {"gone at once": [["y"]], "gone after a while": [["x", "y"]] * 2 + [["y"]],
+                 "stays connected": [["x", "y"]], "starts sending": [["x", "y"]], "we reduce nothing": [["y"]]}[case]
+    runner, calls, failed = _runner_losing(connected, {"us", "y"}, reduces=case != "we reduce nothing")
+
+    async def scenario() -> float:
+        started = time.monotonic()
+        if case == "starts sending":
+            asyncio.get_running_loop().call_later(0.1, runner.active_senders.add, "x")
+        await runner._drop_if_gone("x")
+        return time.monotonic() - started
+
+    took = asyncio.run(scenario())
+    dropped = case.startswith("gone")
+    assert (runner.banned_senders == {"x"}) == dropped and (failed == [1]) == dropped, (runner.banned_senders, failed)
+    assert runner.all_senders_started.is_set() == dropped  # hivemind's wait for missing senders ends with the drop
+    assert took < {"stays connected": 0.6, "we reduce nothing": 0.05}.get(case, 0.3), took
+    assert (not calls) == (case == "we reduce nothing"), calls
