@@ -187,7 +187,7 @@ def _refuses(average: torch.Tensor, mine: torch.Tensor, limits: Limits) -> bool:
 
 
 def group_average(own: list[list[torch.Tensor]], sent: list[list[torch.Tensor]], weights: list[int], wire, codec: str,
-               cfg: AveragingConfig) -> tuple[list[torch.Tensor], int]:
+                  cfg: AveragingConfig) -> tuple[list[torch.Tensor], int]:
     """The group's average as the swarm's reducers compute it, part by part (see the module docstring), after
     crossing the wire back; and the number of contributions the swarm's checks would have refused.
 
