@@ -92,8 +92,10 @@ def test_three_nat_peers_average_every_round_and_a_late_one_syncs_and_contribute
     # the three: every round averaged all three, through the relay. While the newcomer starts (a CPU-heavy process
     # start on these two cores) and downloads the state over a home uplink, a round of the three may come out
     # partial (a reducer late: seen once in CI), healed by a state sync; and its first try may cut a round short
-    # (it and an older peer can miss each other in matchmaking: seen once in CI). From its first averaged round on
-    # all four average, and every round the three averaged whole left them identical
+    # (it and an older peer can miss each other in matchmaking: seen once in CI); and one of the three may miss a
+    # round's gate (CI, 2026-11-27: in round 4 two averaged as a pair, the third stepped alone, then took their
+    # state by a state sync before the next round). From its first averaged round on all four average, and every
+    # round the three averaged whole left them identical
     first_try = rounds(local_swarm, "late")[0]["round"]
     for name in names:
         three = [r for r in rounds(local_swarm, name) if r["round"] < first_try]
@@ -101,7 +103,15 @@ def test_three_nat_peers_average_every_round_and_a_late_one_syncs_and_contribute
         before = [r for r in three if r["time"] < late_started]
         assert len(before) >= 2 and all(r["outcome"] == "averaged" and r["bytes_relayed"] > 0 and r["group_size"] == 3
                                         for r in before), (name, seen)
-        assert all(r["outcome"] in ("averaged", "partial") and r["group_size"] == 3 for r in three), (name, seen)
+        for r in three:
+            if r["outcome"] in ("averaged", "partial") and r["group_size"] == 3:
+                continue
+            same = {n: [x for x in rounds(local_swarm, n) if x["round"] == r["round"]] for n in names}
+            alone = [n for n, rs in same.items() if rs and rs[0]["outcome"] == "solo"]
+            assert len(alone) == 1 and all(rs and rs[0]["outcome"] == "averaged" and rs[0]["group_size"] == 2
+                                           for n, rs in same.items() if n not in alone), (name, seen)
+            assert any(e["event"] == "sync" and e["ok"] and e["epoch"] == r["round"]
+                       for e in local_swarm.events(alone[0])), (alone, r["round"])  # it took the pair's state
         (four,) = [r for r in rounds(local_swarm, name) if r["round"] == joined["round"]]
         assert four["outcome"] == "averaged" and four["bytes_relayed"] > 0 and four["group_size"] == 4, four
     for i in range(1, joined["round"] + 1):  # the replicas stay identical, round after round
