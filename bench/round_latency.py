@@ -11,6 +11,10 @@ leader's event loop has not been on time, ``hivemind_internals.LoopLag``), waite
     .venv/bin/python bench/round_latency.py                  # tiny-cpu (0.36M parameters), 20 rounds each
     .venv/bin/python bench/round_latency.py --rounds 30 --set averaging.compression=int8
     .venv/bin/python bench/round_latency.py --first-rounds 4 --pause 3   # the first round, 3 s after the start
+    .venv/bin/python bench/round_latency.py --aggregation                # what the robust aggregation costs
+
+``--aggregation``: instead, three runs of the grace as shipped, side by side: the robust aggregation (the default)
+as shipped, with its coordinate median sorted by torch (``torch.median``, as until 2026-11-27), and the plain mean.
 
 ``--first-rounds N``: instead, N pairs of fresh groups whose first round begins ``--pause`` seconds after their
 averagers start, side by side: the loop watch as shipped (calm once it has run a join request's timeout) and
@@ -26,7 +30,7 @@ import statistics
 import torch
 from hivemind.dht import DHT
 
-from diloco_peer.averaging import hivemind_internals
+from diloco_peer.averaging import hivemind_internals, robust_aggregation
 from diloco_peer.averaging.averager import RoundAverager
 from diloco_peer.config.loading import load_config
 from diloco_peer.training.model import parameter_shapes
@@ -88,6 +92,21 @@ def _first_rounds(nodes: list[DHT], shapes, cfg, count: int, pause: float) -> No
           f"{statistics.median(firsts['as shipped']) / statistics.median(firsts['a whole window']):.2f}")
 
 
+def _aggregations(nodes: list[DHT], shapes, args, rounds: int, pause: float) -> dict[str, list[tuple[float, float]]]:
+    """Robust (as shipped, and with torch's median) and mean, each in fresh averager processes (forked: they see
+    the module's ``coordinate_median`` as it is when they start)."""
+    robust, mean = (load_config(args.config, [*args.set, f"averaging.aggregation={a}"]) for a in ("robust", "mean"))
+    shipped = robust_aggregation.coordinate_median
+    runs = {"robust": _measure(nodes, shapes, robust, rounds, pause, "latency-robust")}
+    try:
+        robust_aggregation.coordinate_median = lambda parts: torch.stack(parts).median(dim=0).values
+        runs["robust, torch.median"] = _measure(nodes, shapes, robust, rounds, pause, "latency-torch-median")
+    finally:
+        robust_aggregation.coordinate_median = shipped
+    runs["mean"] = _measure(nodes, shapes, mean, rounds, pause, "latency-mean")
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=None, help="a shipped config name or a path (default: tiny-cpu)")
@@ -96,6 +115,8 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--first-rounds", type=int, default=0, metavar="N",
                         help="measure N first rounds per loop watch instead (see the module docstring)")
+    parser.add_argument("--aggregation", action="store_true",
+                        help="compare the robust aggregation with torch's median and the mean instead")
     args = parser.parse_args()
     cfg = load_config(args.config, args.set)
     shapes = parameter_shapes(cfg.model)
@@ -106,31 +127,39 @@ def main() -> None:
                  initial_peers=[str(a) for a in root.get_visible_maddrs()]) for _ in range(3)]
     # the first rounds of a run: connections open, and the grace is waited until the loop watch has a window
     skip = min(args.rounds - 1, int(hivemind_internals.LoopLag().window / (args.pause + 0.2)) + 2)
-    if args.first_rounds:
-        try:
+    try:
+        if args.first_rounds:
             return _first_rounds(nodes, shapes, cfg, args.first_rounds, args.pause)
-        finally:
-            for node in [*nodes, root]:
-                node.shutdown()
+        if args.aggregation:
+            return _report(_aggregations(nodes, shapes, args, args.rounds, args.pause), skip, "mean")
+        return _report(_graces(nodes, shapes, cfg, args.rounds, args.pause), skip, "grace never")
+    finally:
+        for node in [*nodes, root]:
+            node.shutdown()
+
+
+def _graces(nodes: list[DHT], shapes, cfg, rounds: int, pause: float) -> dict[str, list[tuple[float, float]]]:
+    """The leader's assembly grace as shipped, always and never, each in fresh averager processes."""
     grace, calm = hivemind_internals.ASSEMBLY_GRACE, hivemind_internals.LoopLag.calm
     runs = {}
     try:
-        runs["as shipped"] = _measure(nodes, shapes, cfg, args.rounds, args.pause, "latency-shipped")
+        runs["as shipped"] = _measure(nodes, shapes, cfg, rounds, pause, "latency-shipped")
         hivemind_internals.LoopLag.calm = lambda self: False
-        runs[f"grace {grace} s always"] = _measure(nodes, shapes, cfg, args.rounds, args.pause, "latency-grace")
+        runs[f"grace {grace} s always"] = _measure(nodes, shapes, cfg, rounds, pause, "latency-grace")
         hivemind_internals.ASSEMBLY_GRACE = 0.0
-        runs["grace never"] = _measure(nodes, shapes, cfg, args.rounds, args.pause, "latency-no-grace")
+        runs["grace never"] = _measure(nodes, shapes, cfg, rounds, pause, "latency-no-grace")
     finally:
         hivemind_internals.ASSEMBLY_GRACE, hivemind_internals.LoopLag.calm = grace, calm
-        for node in [*nodes, root]:
-            node.shutdown()
-    print(f"rounds {skip + 1}-{args.rounds} of each run:")
-    for name, times in runs.items():
-        print(f"  {name:<20} {_summary(times, skip)}")
-    never = statistics.median(t for t, _ in runs["grace never"][skip:])
-    for name in list(runs)[:2]:
-        print(f"ratio {name} / grace never: {statistics.median(t for t, _ in runs[name][skip:]) / never:.2f}")
+    return runs
 
+
+def _report(runs: dict[str, list[tuple[float, float]]], skip: int, baseline: str) -> None:
+    print(f"rounds {skip + 1}-{len(next(iter(runs.values())))} of each run:")
+    for name, times in runs.items():
+        print(f"  {name:<22} {_summary(times, skip)}")
+    base = statistics.median(t for t, _ in runs[baseline][skip:])
+    for name in [n for n in runs if n != baseline]:
+        print(f"ratio {name} / {baseline}: {statistics.median(t for t, _ in runs[name][skip:]) / base:.2f}")
 
 if __name__ == "__main__":
     main()

@@ -23,11 +23,13 @@ from diloco_peer.averaging.robust_aggregation import (
     BanList,
     CheckedPartReducer,
     Limits,
+    SORTING_NETWORK_MAX,
     aggregate,
     all_finite,
     capped_bandwidths,
     check_arrival,
     check_average,
+    coordinate_median,
     refuse_update,
     vector_norm,
 )
@@ -101,6 +103,21 @@ def test_a_huge_norm_or_weight_is_refused_and_the_rest_averaged():
     # 0 disables a check
     _, refused = aggregate(parts, own=0, limits=Limits(max_update_ratio=0, max_weight_ratio=0))
     assert refused == []
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 8, 13, SORTING_NETWORK_MAX, SORTING_NETWORK_MAX + 1])
+def test_the_coordinate_median_is_torchs(count):
+    """The sorting network gives ``torch.median(dim=0)``'s values (the lower middle value for an even count), with
+    ties, zeros of either sign and any shape, and leaves the parts as they were."""
+    gen = torch.Generator().manual_seed(count)
+    for parts in ([torch.randn(3000, generator=gen) for _ in range(count)],
+                  [torch.randint(-2, 3, (40, 50), generator=gen).float() for _ in range(count)],  # many ties
+                  [torch.randn(7, generator=gen) * (0.0 if i % 2 else -0.0) for i in range(count)]):
+        before = [p.clone() for p in parts]
+        median = coordinate_median(parts)
+        expected = torch.stack(parts).median(dim=0).values
+        assert median.shape == expected.shape and torch.equal(median, expected)
+        assert all(torch.equal(p, b) for p, b in zip(parts, before))
 
 
 def test_robust_mode_drops_a_sign_flipped_part_and_clips_to_the_median_norm():
