@@ -116,7 +116,6 @@ class RoundAverager:
         self.cfg, self.admission, self.relayed, self.faults = cfg, admission, relayed, faults
         self.peer_id = dht.peer_id.to_base58()
         self.feedback = ErrorFeedback(get_codec(cfg.compression)) if cfg.error_feedback else None
-        self._expected: int | None = None  # the group size our averager process was last told (expect_group)
         self._banned: dict[str, float] = {}  # peer id -> when its ban ends (time.monotonic), see banned()
         self._in_flight = False  # an all-reduce may be using the buffers: they must not be released
         self._control = None  # the last round's step in the averager process (hivemind's StepControl)
@@ -219,16 +218,13 @@ class RoundAverager:
                     target.copy_(source)
         self._sent_norm = vector_norm(pseudo_gradient)
         weight = self.faults.poisoned_weight(weight)
-        # one matchmaking key per outer epoch: a late peer still averaging epoch e never lands in the group
-        # of epoch e+1, where its pseudo-gradient (relative to older weights) would poison everyone's step
-        await hivemind_calls.call(self.averager.set_group_bits, format(epoch, "b"),
-                                  timeout=self.cfg.request_timeout * 10)
-        # hivemind's leader otherwise gathers followers until the end of the window even when all are in (one
-        # call into the averager process per round only while a group size is, or was just, set)
+        # one matchmaking key per outer epoch: a late peer still averaging epoch e never lands in the group of epoch
+        # e+1, where its pseudo-gradient (relative to older weights) would poison everyone's step; and the size at
+        # which a group we lead starts (hivemind's leader otherwise gathers followers until the end of the window
+        # even when all are in). One call into the averager process: it is on the way of the round's last peers
         size = expected if expected and expected >= 2 else None
-        if size is not None or self._expected is not None:
-            await hivemind_calls.call(self.averager.expect_group, size, timeout=self.cfg.request_timeout * 10)
-            self._expected = size
+        await hivemind_calls.call(self.averager.expect_group, size, format(epoch, "b"),
+                                  timeout=self.cfg.request_timeout * 10)
         control = self.averager.step(
             weight=float(weight),
             # bans: the peers we ban, so that a leader leaves them out before the group forms (group_bans.py)

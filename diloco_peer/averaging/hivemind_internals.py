@@ -15,6 +15,7 @@ attribute and the version, where they differ.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import signal
@@ -31,7 +32,8 @@ from ..swarm.p2pd_internals import HIVEMIND_VERSION, PrivateUse
 
 __all__ = ["HIVEMIND_VERSION", "INVENTORY", "LoopLag", "ban_sender", "forbid_retries", "keeping_our_sigint",
            "mark_state_updated", "own_input_parts", "leave_out_before_assembly", "p2p_of", "patch_join_requests",
-           "reject_stale_join_requests", "running_group", "send_to_averager_process", "set_target_group_size",
+           "reject_stale_join_requests", "running_group", "send_to_averager_process", "set_group_bits_here",
+           "set_target_group_size",
            "state_from_host"]
 
 AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
@@ -72,6 +74,9 @@ INVENTORY = (
     PrivateUse(AVERAGER, "_run_internal", "relies",
                "send_to_averager_process: a (method, args, kwargs) on the pipe runs as a task in the averager process",
                (), "8f85686e1ccd3eb0c11e362ce4aa1a877e378f98d47393a6fbd45e598626b5d3"),
+    PrivateUse(AVERAGER, "_set_group_bits", "call",
+               "set_group_bits_here: what the public set_group_bits runs in the averager process",
+               ("group_bits", "future")),
     PrivateUse(AVERAGER, "_get_current_state_from_host_process", "call",
                "state_from_host: our rpc_download_state asks the host for the state to serve", ()),
     PrivateUse("hivemind.averaging.averager", "_background_thread_fetch_current_state", "relies",
@@ -176,6 +181,16 @@ def forbid_retries(step) -> None:
     """No further attempt for this step (a ``StepControl``, in the averager process): hivemind retries a failed
     matchmaking or all-reduce with the same tensors until the deadline, unless ``allow_retries`` is off."""
     step._allow_retries = False
+
+
+async def set_group_bits_here(averager: DecentralizedAverager, group_bits: str) -> None:
+    """In the averager process: set the matchmaking key's group bits as ``set_group_bits`` does from the host (it
+    sends this coroutine through the pipe), for a call from the host that sets more in one message."""
+    if not all(bit in "01" for bit in group_bits):
+        raise ValueError(f"group bits must be a string of 0s and 1s, got {group_bits!r}")
+    done = concurrent.futures.Future()
+    await averager._set_group_bits(group_bits, future=done)
+    done.result()
 
 
 def send_to_averager_process(averager: DecentralizedAverager, method: str, *args, **kwargs) -> None:

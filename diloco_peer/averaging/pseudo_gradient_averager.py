@@ -153,9 +153,11 @@ class PseudoGradientAverager(DecentralizedAverager):
         by_name = {name: peer for peer, name in names.items()}
         return [by_name[name] for name in out]
 
-    def expect_group(self, size: int | None) -> None:
+    def expect_group(self, size: int | None, group_bits: str | None = None) -> None:
         """From the host process, before a step: a group we lead starts its all-reduce once ``size`` members (us
         included) are in, not at the step's scheduled time; ``None`` gathers until then (hivemind's way).
+        ``group_bits``: also the matchmaking key's bits (hivemind's ``set_group_bits``), in the same message: one
+        trip through the pipe per round instead of two.
 
         The scheduled time stays the upper bound: a group still short of ``size`` then starts with whoever came
         (``min_group_size`` at least). A group that reached ``size`` turns later peers away (hivemind's
@@ -165,11 +167,13 @@ class PseudoGradientAverager(DecentralizedAverager):
         if size is not None and size < 2:
             raise ValueError(f"a group needs at least 2 members, got expected size {size}")
         future = MPFuture()
-        internals.send_to_averager_process(self, "_expect_group", size, future=future)
+        internals.send_to_averager_process(self, "_expect_group", size, group_bits, future=future)
         future.result()
 
-    async def _expect_group(self, size: int | None, future: MPFuture) -> None:
+    async def _expect_group(self, size: int | None, group_bits: str | None, future: MPFuture) -> None:
         try:
+            if group_bits is not None:
+                await internals.set_group_bits_here(self, group_bits)
             internals.set_target_group_size(self, size)
             future.set_result(None)
         except BaseException as e:
