@@ -173,18 +173,22 @@ def quorum_epoch(records: list[ProgressRecord], quorum: float = QUORUM) -> int |
 
 async def fetch_progress(dht: DHT, run_id: str) -> list[ProgressRecord]:
     """The live progress records of the run, one per peer (withdrawn and expired ones left out)."""
+    return [record for record, _ in (await fetch_progress_entries(dht, run_id)).values() if record is not None]
+
+
+async def fetch_progress_entries(dht: DHT, run_id: str) -> dict[bytes, tuple[ProgressRecord | None, float]]:
+    """The run's progress entries as the DHT answered now: subkey -> (record, None if withdrawn; its expiration)."""
     found = await hivemind_calls.call(dht.get, f"{run_id}_progress", latest=True, timeout=DHT_CALL_TIMEOUT)
     if found is None or not isinstance(found.value, dict):
-        return []
-    records = []
-    for entry in found.value.values():
-        if entry.value is None:
+        return {}
+    entries = {}
+    for subkey, entry in found.value.items():
+        try:  # validated on store; re-checked because the DHT is shared with strangers
+            entries[subkey] = (None if entry.value is None else ProgressRecord.parse_obj(entry.value),
+                               entry.expiration_time)
+        except ValueError:
             continue
-        try:
-            records.append(ProgressRecord.parse_obj(entry.value))
-        except ValueError:  # validated on store; re-checked because the DHT is shared with strangers
-            continue
-    return records
+    return entries
 
 
 @dataclass
@@ -229,6 +233,7 @@ class SwarmProgress:
         self.record = ProgressRecord(peer_id=peer_id, epoch=0, inner_step=0, tokens=0, ready=False, joined=False,
                                      time=time.time())
         self._heartbeat_task: asyncio.Task | None = None
+        self._entries: dict[bytes, tuple[ProgressRecord | None, float]] = {}  # (swarm_records)
         self._banned: dict[str, float] = {}
         """Peer id -> ``time.monotonic()`` at which its ban ends."""
         self._distrusted: dict[tuple[str, int, str], float] = {}
@@ -256,8 +261,17 @@ class SwarmProgress:
             logger.debug("progress record was not stored by any DHT node (alone in the swarm?)")
 
     async def swarm_records(self) -> list[ProgressRecord]:
-        """Live records of all peers we trust, ours as it is now (not as the DHT last saw it)."""
-        others = [r for r in await fetch_progress(self.dht, self.run_id) if r.peer_id != self.record.peer_id]
+        """Live records of all peers we trust, ours as it is now (not as the DHT last saw it).
+
+        A record counts until it expires, is withdrawn, or a later one replaces it, whether or not the last read
+        returned it: a read that missed it (DHT nodes that did not answer in time, a starved DHT process) would
+        otherwise make the peer vanish for a moment, and a gate that saw nobody else would step alone."""
+        now = get_dht_time()
+        for subkey, (record, expiration) in (await fetch_progress_entries(self.dht, self.run_id)).items():
+            if expiration >= self._entries.get(subkey, (None, -1.0))[1]:
+                self._entries[subkey] = (record, expiration)
+        self._entries = {subkey: entry for subkey, entry in self._entries.items() if entry[1] > now}
+        others = [r for r, _ in self._entries.values() if r is not None and r.peer_id != self.record.peer_id]
         trusted = self.trusted(others)  # (it also forgets bans that ended)
         self.present = 1 + len({r.peer_id for r in others if r.peer_id not in self._banned})
         return trusted + [self.record]
