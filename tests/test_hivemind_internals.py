@@ -203,7 +203,8 @@ def test_the_scan_finds_a_private_read(tmp_path):
 def test_a_leader_forms_its_full_group_at_once_while_its_loop_is_on_time_and_after_the_grace_otherwise(monkeypatch):
     """The grace before forming a full group guards against a follower that gave up on a late answer: a leader
     whose event loop has woken on time for a whole window answers at once (``LoopLag.calm``) and skips it; from
-    the start, once the watch has run for a join request's timeout (every request still waiting came meanwhile)."""
+    the start, once the watch has run for a join request's timeout (every request still waiting came meanwhile);
+    and a loop late only before the round began (its size set: every join request of the round comes after)."""
     monkeypatch.setattr(hivemind_internals, "LoopLag", lambda **kw: LoopLag(period=0.02, window=0.3, limit=0.05, **kw))
 
     async def scenario() -> dict[str, float]:
@@ -234,6 +235,12 @@ def test_a_leader_forms_its_full_group_at_once_while_its_loop_is_on_time_and_aft
         await form("within the window of a late wake-up")
         await asyncio.sleep(0.4)
         await form("on time again for a window")
+        time.sleep(0.15)  # late while this peer trained, before its next round
+        await asyncio.sleep(0.05)
+        hivemind_internals.set_target_group_size(types.SimpleNamespace(_matchmaking=matchmaking), 3)  # a round
+        await form("late before the round began only")
+        time.sleep(0.15)
+        await form("late since the round began")
         return took
 
     took = asyncio.run(scenario())
@@ -242,7 +249,8 @@ def test_a_leader_forms_its_full_group_at_once_while_its_loop_is_on_time_and_aft
     assert waited == {"before a request's timeout was watched": True,
                       "on time since the start, for a request's timeout": False, "on time for a window": False,
                       "right after a late wake-up": True, "within the window of a late wake-up": True,
-                      "on time again for a window": False}, took
+                      "on time again for a window": False, "late before the round began only": False,
+                      "late since the round began": True}, took
 
 
 def test_the_loop_watch_counts_a_late_wake_up_for_a_window_and_a_blocked_loop_at_once():

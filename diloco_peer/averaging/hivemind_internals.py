@@ -233,7 +233,8 @@ def set_target_group_size(averager: DecentralizedAverager, size: int | None) -> 
     process's event loop has been on time (``LoopLag.calm``): a request that waited over half its timeout for us
     is turned away (``reject_stale_join_requests``), and a leader that answers the rest at once leaves its
     followers half their timeout for the way there and back. (Waited always, the grace made a loopback round's
-    all-reduce 0.42 s, against 0.26 s waited only by a late leader: ``bench/round_latency.py``.)
+    all-reduce 0.42 s, against 0.26 s waited only by a late leader: ``bench/round_latency.py``.) Only the loop's
+    lateness since this call counts: it comes before each step, and every join request of the round after it.
     """
     matchmaking = averager._matchmaking
     matchmaking.target_group_size = size
@@ -244,11 +245,15 @@ def set_target_group_size(averager: DecentralizedAverager, size: int | None) -> 
         # the start: a 0.36 s all-reduce in 1 of 3 loopback demos, 0.21-0.25 s in the others)
         lag = matchmaking._loop_lag = LoopLag(watched=matchmaking.request_timeout)
         lag.start()
+    # every join request of this round comes after this: a follower finds us through our declaration in the DHT,
+    # under this round's key, made once our step begins. A loop late before then (while this peer trained) kept
+    # no request of this round waiting: it does not count (once the watch runs, see LoopLag.calm)
+    matchmaking._round_began = time.monotonic()
     if size is not None and not getattr(matchmaking, "_assembles_after_grace", False):
         assemble = matchmaking.leader_assemble_group
 
         async def assemble_after_grace():
-            if lag.calm():
+            if lag.calm(since=matchmaking._round_began):
                 return await assemble()
             await asyncio.sleep(ASSEMBLY_GRACE)
             if matchmaking.assembled_group.done():  # cancelled meanwhile (the step was): nothing to form
@@ -289,13 +294,20 @@ class LoopLag:
             self.late = [t for t in self.late if now - t <= self.window]
             self.tick = now
 
-    def calm(self) -> bool:
+    def calm(self, since: float | None = None) -> bool:
         """Watched for ``watched`` seconds, and never ``limit`` seconds late in the last window (a slow tick still
-        under way counts: a loop blocked right now has not woken the watcher)."""
+        under way counts: a loop blocked right now has not woken the watcher). ``since`` (a ``time.monotonic()``
+        the watch had already begun by): only late wake-ups from then on count, and it need not have run
+        ``watched``."""
         now = time.monotonic()
-        if self.since is None or now - self.since < self.watched or now - self.tick > self.period + self.limit:
+        if self.since is None or now - self.tick > self.period + self.limit:
             return False
-        return not any(now - t <= self.window for t in self.late)
+        start = now - self.window
+        if since is not None and self.since <= since:
+            start = max(start, since)
+        elif now - self.since < self.watched:
+            return False
+        return not any(t > start for t in self.late)
 
 
 def patch_join_requests(averager: DecentralizedAverager, refuses: Callable[[PeerID], bool]) -> None:
