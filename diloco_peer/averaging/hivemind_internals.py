@@ -33,8 +33,7 @@ from ..swarm.p2pd_internals import HIVEMIND_VERSION, PrivateUse
 __all__ = ["HIVEMIND_VERSION", "INVENTORY", "LoopLag", "ban_sender", "forbid_retries", "keeping_our_sigint",
            "mark_state_updated", "own_input_parts", "leave_out_before_assembly", "p2p_of", "patch_join_requests",
            "reject_stale_join_requests", "running_group", "send_to_averager_process", "set_group_bits_here",
-           "set_target_group_size",
-           "state_from_host"]
+           "set_target_group_size", "state_from_host"]
 
 AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
 MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
