@@ -12,9 +12,14 @@ leader's event loop has not been on time, ``hivemind_internals.LoopLag``), waite
     .venv/bin/python bench/round_latency.py --rounds 30 --set averaging.compression=int8
     .venv/bin/python bench/round_latency.py --first-rounds 4 --pause 3   # the first round, 3 s after the start
     .venv/bin/python bench/round_latency.py --aggregation                # what the robust aggregation costs
+    .venv/bin/python bench/round_latency.py --flat                       # the model's tensors vs one buffer
 
 ``--aggregation``: instead, three runs of the grace as shipped, side by side: the robust aggregation (the default)
 as shipped, with its coordinate median sorted by torch (``torch.median``, as until 2026-11-27), and the plain mean.
+
+``--flat``: instead, the model's tensors side by side with one flat tensor of the same size (what averaging one
+buffer instead of the model's tensors would save: hivemind cuts parts per tensor, so the exchange carries about a
+part per tensor and reducer, each a message with its own checks).
 
 ``--first-rounds N``: instead, N pairs of fresh groups whose first round begins ``--pause`` seconds after their
 averagers start, side by side: the loop watch as shipped (calm once it has run a join request's timeout) and
@@ -115,6 +120,8 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--first-rounds", type=int, default=0, metavar="N",
                         help="measure N first rounds per loop watch instead (see the module docstring)")
+    parser.add_argument("--flat", action="store_true",
+                        help="compare the model's tensors with one flat tensor of the same size instead")
     parser.add_argument("--aggregation", action="store_true",
                         help="compare the robust aggregation with torch's median and the mean instead")
     args = parser.parse_args()
@@ -130,12 +137,21 @@ def main() -> None:
     try:
         if args.first_rounds:
             return _first_rounds(nodes, shapes, cfg, args.first_rounds, args.pause)
+        if args.flat:
+            return _report(_flat(nodes, shapes, cfg, args.rounds, args.pause), skip, f"{len(shapes)} tensors")
         if args.aggregation:
             return _report(_aggregations(nodes, shapes, args, args.rounds, args.pause), skip, "mean")
         return _report(_graces(nodes, shapes, cfg, args.rounds, args.pause), skip, "grace never")
     finally:
         for node in [*nodes, root]:
             node.shutdown()
+
+
+def _flat(nodes: list[DHT], shapes, cfg, rounds: int, pause: float) -> dict[str, list[tuple[float, float]]]:
+    """The model's tensors, and one flat tensor of as many values."""
+    flat = [torch.Size([sum(s.numel() for s in shapes)])]
+    return {f"{len(shapes)} tensors": _measure(nodes, shapes, cfg, rounds, pause, "latency-tensors"),
+            "1 flat tensor": _measure(nodes, flat, cfg, rounds, pause, "latency-flat")}
 
 
 def _graces(nodes: list[DHT], shapes, cfg, rounds: int, pause: float) -> dict[str, list[tuple[float, float]]]:
