@@ -5,6 +5,7 @@ seam; nothing in the package loads with pickle."""
 import ast
 import json
 import math
+import os
 import random
 import signal
 import string
@@ -388,7 +389,7 @@ def test_bad_environment_values_are_one_line_errors_naming_variable_and_value(na
 
 @pytest.mark.parametrize("text, plan", [
     ("", Faults()),
-    ("crash_in_allreduce:3", Faults(crash_in_allreduce=3)),
+    ("crash_in_allreduce:3", Faults(crash_in_allreduce=3)), ("freeze_in_allreduce:2", Faults(freeze_in_allreduce=2)),
     ("poison:nan", Faults(poison_kind="nan")), ("poison:signflip", Faults(poison_kind="signflip")),
     ("poison:shape", Faults(poison_kind="shape")), ("poison:weight", Faults(poison_kind="weight")),
     ("poison:1000", Faults(poison_kind="scale", poison_scale=1000.0)),
@@ -405,7 +406,8 @@ def test_each_fault_parses_to_its_plan(text, plan):
 
 
 @pytest.mark.parametrize("text", [
-    "crash_in_allreduce:x", "crash_in_allreduce:0", "crash_in_allreduce", "crash:3", "poison:lots", "poison",
+    "crash_in_allreduce:x", "crash_in_allreduce:0", "crash_in_allreduce", "crash:3", "freeze_in_allreduce:0",
+    "freeze_in_allreduce", "poison:lots", "poison",
     "poison:", "lie_epoch:soon", "lie_epoch:-1", "lie_epoch", "corrupt_state:bits", "Poison:nan", " poison:nan",
     "slow_serve", "slow_serve:0", "slow_serve:-1", "slow_serve:soon", "slow_serve:1e9", "stall_serve",
     "stall_serve:-1", "stall_serve:x",
@@ -463,6 +465,21 @@ def test_crash_in_allreduce_kills_the_process_and_its_parent():
               "time.sleep(60)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=30)
     assert result.returncode == -signal.SIGKILL, result
+
+
+def test_freeze_in_allreduce_stops_the_averager_process_alone():
+    # the averager process calls the hook: it stops, silent, and its parent (the daemon) runs on
+    pid = os.fork()
+    if pid == 0:
+        Faults.parse("freeze_in_allreduce:3").crash_now_if_due(2)  # not the planned all-reduce: goes on
+        Faults.parse("freeze_in_allreduce:3").crash_now_if_due(3)
+        os._exit(0)
+    try:
+        _, status = os.waitpid(pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status) and os.WSTOPSIG(status) == signal.SIGSTOP, status
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def test_only_the_fault_seam_reads_the_fault_variable():

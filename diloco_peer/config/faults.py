@@ -15,6 +15,10 @@ One fault at a time:
 - ``crash_in_allreduce:N``: die (SIGKILL, the daemon process too) in the middle of our N-th all-reduce, as a
   reducer that has received a first part, answered nobody yet and sent nobody a part of its own (it never opens
   its streams): the worst moment for the others;
+- ``freeze_in_allreduce:N``: stop (SIGSTOP) our averager process as our N-th all-reduce begins, before it sends
+  anything (or, reducing every part, when a first part arrives): its connections stay up and say nothing, as a
+  member whose machine went to sleep or whose link went dead without a reset (our DHT and p2pd run on; whoever
+  runs the test ends the frozen process);
 - ``poison:nan`` / ``poison:X`` / ``poison:signflip``: send NaNs / our pseudo-gradient times X / its negation;
   ``poison:shape`` sends every part one value short (a buggy fork); ``poison:weight`` claims 1e12 tokens;
   ``poison:averages`` sends honestly but, as a reducer, returns every average negated (our own stays true);
@@ -45,11 +49,11 @@ from .schema import ConfigError
 
 FAULT_ENV = "DILOCO_PEER_FAULT"
 """The environment variable that switches a fault on (tests only); empty is the same as unset."""
-KINDS = ("crash_in_allreduce", "poison", "lie_epoch", "corrupt_state", "slow_serve", "break_serve", "stall_serve",
-         "refuse_round")
+KINDS = ("crash_in_allreduce", "freeze_in_allreduce", "poison", "lie_epoch", "corrupt_state", "slow_serve",
+         "break_serve", "stall_serve", "refuse_round")
 """The faults there are; a peer runs with one at most."""
-GRAMMAR = ("crash_in_allreduce:N, poison:nan|signflip|shape|weight|averages|X, lie_epoch:N, corrupt_state[:nan], "
-           "slow_serve:SECONDS, break_serve:K, stall_serve:K, refuse_round:N[,N...]")
+GRAMMAR = ("crash_in_allreduce:N, freeze_in_allreduce:N, poison:nan|signflip|shape|weight|averages|X, lie_epoch:N, "
+           "corrupt_state[:nan], slow_serve:SECONDS, break_serve:K, stall_serve:K, refuse_round:N[,N...]")
 """The values ``FAULT_ENV`` may take, as error messages show them."""
 
 
@@ -60,6 +64,8 @@ class Faults:
 
     crash_in_allreduce: int = 0
     """Die in our N-th all-reduce (counted from 1); 0: never."""
+    freeze_in_allreduce: int = 0
+    """Stop our averager process, silent and connected, in our N-th all-reduce (counted from 1); 0: never."""
     poison_kind: str = ""
     """What we do to the pseudo-gradient we send: "", "nan", "signflip", "scale", "shape" or "weight"; or, as a
     reducer, to the averages we return: "averages"."""
@@ -86,6 +92,8 @@ class Faults:
         kind, sep, arg = text.partition(":")
         if kind == "crash_in_allreduce" and sep and re.fullmatch(r"[1-9][0-9]*", arg):
             return cls(crash_in_allreduce=int(arg))
+        if kind == "freeze_in_allreduce" and sep and re.fullmatch(r"[1-9][0-9]*", arg):
+            return cls(freeze_in_allreduce=int(arg))
         if kind == "poison" and sep and arg in ("nan", "signflip", "shape", "weight", "averages"):
             return cls(poison_kind=arg)
         if kind == "poison" and sep and _number(arg) is not None:
@@ -143,11 +151,15 @@ class Faults:
         if self.crash_in_allreduce and allreduce == self.crash_in_allreduce:
             os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.freeze_in_allreduce and allreduce == self.freeze_in_allreduce:  # until someone sends SIGCONT
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     async def hold_sending(self, allreduce: int) -> None:
         """Called before we open a stream to another reducer in our ``allreduce``-th all-reduce: in the one we
-        crash in, never return (we die first, with our parts sent to nobody)."""
-        if self.crash_in_allreduce and allreduce == self.crash_in_allreduce:
+        freeze in, stop now; in the one we crash in, never return (we die first, with our parts sent to nobody)."""
+        if self.freeze_in_allreduce and allreduce == self.freeze_in_allreduce:  # until someone sends SIGCONT
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if allreduce and allreduce in (self.crash_in_allreduce, self.freeze_in_allreduce):
             await asyncio.Event().wait()
 
     def refuses_average(self, round_number: int) -> str:
