@@ -5,6 +5,8 @@ the group gets the very same bytes (hivemind's stock delta-based result does not
 """
 
 import asyncio
+import os
+import signal
 import time
 import types
 
@@ -14,8 +16,10 @@ import torch
 from diloco_peer.averaging import allreduce as allreduce_module
 from diloco_peer.averaging.allreduce import ExactAllReduceRunner
 from diloco_peer.averaging.averager import RoundAverager
+from diloco_peer.averaging.member_silence import SILENT_AFTER
 from diloco_peer.averaging.compression import BLOCK
 from diloco_peer.config import AveragingConfig
+from diloco_peer.config.faults import Faults
 from diloco_peer.training.outer_optimizer import flat_tensors
 
 SHAPES = [torch.Size([257, 31]), torch.Size([1000]), torch.Size([3, 5, 7])]
@@ -220,6 +224,70 @@ def test_a_member_that_leaves_mid_allreduce_lets_it_end_before_stopping(dhts):
         leaving.shutdown()
     assert result.ok and result.group_size == 2 and result.values_not_averaged == 0, result
     assert waited > 0.05 and not leaving.exchanging
+
+
+@pytest.mark.light
+def test_a_member_that_goes_silent_mid_allreduce_is_dropped_within_seconds(dhts):
+    """A member whose averager stops as the all-reduce begins (``freeze_in_allreduce``: it sent nothing, answers
+    nobody) keeps its connections up and says nothing. hivemind alone waited its reducer timeout
+    (45 s with a 60 s ``allreduce_timeout``); asked whether it is still there and silent, it is dropped within
+    ``SILENT_AFTER + PROBE_TIMEOUT`` (6.5 s). The two others end the round with the mean of their two parts, the
+    same bytes, but where the silent member was their reducer (hivemind's split of the vector may give it none):
+    there each keeps its own values (the daemon then checks its state against the swarm's)."""
+    cfg = CFG.model_copy(update={"allreduce_timeout": 60.0})
+    averagers = [RoundAverager(dht, SHAPES, "test-run", cfg, faults=Faults(freeze_in_allreduce=1) if i == 2
+                               else Faults()) for i, dht in enumerate(dhts(3))]
+    frozen = averagers[2].averager
+
+    inputs = [_pseudo_gradients(seed) for seed in range(3)]
+
+    async def scenario():
+        rounds = [asyncio.create_task(a.average(x, weight=1, epoch=0, expected=3))
+                  for a, x in zip(averagers, inputs)]
+        results = await asyncio.gather(*rounds[:2])
+        os.kill(frozen.pid, signal.SIGKILL)  # the survivors are done with it
+        rounds[2].cancel()
+        return results
+
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        os.kill(frozen.pid, signal.SIGKILL)
+        for a in averagers:
+            a.shutdown()
+    assert all(r.ok and r.group_size == 3 for r in results), results
+    assert all(SILENT_AFTER < r.seconds < 15 for r in results), [r.seconds for r in results]  # hivemind: 45 s
+    differ = 0
+    for i, (a, b) in enumerate(zip(results[0].averaged, results[1].averaged)):
+        apart = a != b
+        assert torch.equal(a[apart], inputs[0][i][apart]) and torch.equal(b[apart], inputs[1][i][apart]), i
+        mean = (inputs[0][i].double() + inputs[1][i].double()) / 2
+        torch.testing.assert_close(a[~apart].double(), mean[~apart], rtol=1e-5, atol=1e-6)
+        differ += int(apart.sum())
+    assert differ <= results[0].values_not_averaged == results[1].values_not_averaged
+
+
+@pytest.mark.light
+def test_a_live_averager_answers_whether_it_is_still_there(dhts):
+    """The question a member asks a quiet one before dropping it as silent gets an answer from a live averager (an
+    error would count as an answer too, so a handler that failed to register would hide every silent member)."""
+    from hivemind.proto import averaging_pb2
+
+    from diloco_peer.averaging.pseudo_gradient_averager import PseudoGradientAverager
+
+    near, far = dhts(2)
+    averager = RoundAverager(near, SHAPES, "test-run", CFG)
+
+    async def ask():
+        p2p = await far.replicate_p2p()
+        stub = PseudoGradientAverager.get_stub(p2p, near.peer_id, namespace="test-run_outer")
+        return await asyncio.wait_for(stub.rpc_still_there(averaging_pb2.DownloadRequest()), 10)
+
+    try:
+        answer = asyncio.run(ask())
+    finally:
+        averager.shutdown()
+    assert isinstance(answer, averaging_pb2.DownloadRequest)
 
 
 def _runner_losing(connected: list[list[str]], active: set[str], reduces: bool = True):

@@ -235,6 +235,12 @@ class PseudoGradientAverager(DecentralizedAverager):
         async for message in round_log.serve(self, request.metadata):
             yield message
 
+    async def rpc_still_there(self, request: averaging_pb2.DownloadRequest,
+                              context: P2PContext) -> averaging_pb2.DownloadRequest:
+        """Answers at once: a member of our all-reduce that has heard nothing from us for a while asks this before
+        it drops us from the round as silent (``member_silence.py``)."""
+        return averaging_pb2.DownloadRequest()
+
     async def _keep_round(self, epoch: int, state_hash: str, update: list | None, keep: int) -> None:
         round_log.keep(self, epoch, state_hash, update, keep)
 
@@ -386,7 +392,7 @@ class PseudoGradientAverager(DecentralizedAverager):
                 tensor.copy_(averaged)
         finally:
             runner.settle_disputes()
-        # by now every sender has started streaming to us (our last part needed all of theirs)
+        # by now every sender has started streaming to us (our last part needed all of theirs, or it went silent)
         await runner.wait_for_replies(timeout=runner.reducer_timeout or 5.0)
         self.traffic[FAILED_VALUES] += runner.tensor_part_container.failed_size
         self.traffic[TRANSFER_US] += int((time.perf_counter() - started) * 1e6)
