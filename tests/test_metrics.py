@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_cli import GOOD_ADDR
 
 from diloco_peer.observe.metrics import PeerMetrics
-from diloco_peer.swarm.progress import PeerStats
+from diloco_peer.swarm.progress_record import PeerStats
 
 START = {"event": "start", "time": 100.0, "peer": "p0", "peer_id": "12D3KooWtest", "fingerprint": "abc", "epoch": 0,
          "eval_loss": 5.2}

@@ -16,15 +16,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from diloco_peer.config import load_config
 from diloco_peer.config.faults import Faults
 from diloco_peer.swarm import progress as progress_module
-from diloco_peer.swarm.progress import (
-    MAX_TTL,
-    ExpirationCap,
-    ProgressRecord,
-    ProgressSchema,
-    SwarmProgress,
-    add_progress_validators,
-    fetch_progress,
-)
+from diloco_peer.swarm.progress import MAX_TTL, ExpirationCap, SwarmProgress, add_progress_validators, fetch_progress
+from diloco_peer.swarm.progress_record import ProgressRecord, ProgressSchema
 from diloco_peer.tools.simulate import run_diloco
 
 RUN = "gate-test"

@@ -19,7 +19,8 @@ from diloco_peer.config.faults import FAULT_ENV, NO_FAULTS, Faults
 from diloco_peer.state import state_sync
 from diloco_peer.state.state_sync import FALLING_BEHIND, StateSync
 from diloco_peer.state.target import Target, swarm_target
-from diloco_peer.swarm.progress import ProgressRecord, add_progress_validators, fetch_progress
+from diloco_peer.swarm.progress import add_progress_validators, fetch_progress
+from diloco_peer.swarm.progress_record import ProgressRecord
 from diloco_peer.training.model import build_model, param_sha256, state_digest
 from diloco_peer.training.outer_optimizer import OuterOptimizer
 

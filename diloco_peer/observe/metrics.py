@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from .. import __version__
 from ..averaging.robust_aggregation import OFFENSE_KINDS
-from ..swarm.progress import MAX_LOSS
+from ..swarm.progress_record import MAX_LOSS
 from ..config import ConfigError, MetricsConfig
 from ..swarm.reachability import MODES
 

@@ -25,7 +25,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..swarm.progress import QUORUM, ProgressRecord, SwarmProgress, quorum_epoch, voters
+from ..swarm.progress import QUORUM, SwarmProgress, quorum_epoch, voters
+from ..swarm.progress_record import ProgressRecord
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,50 @@
+"""One peer's progress record: what it publishes under ``{run_id}_progress`` (``progress.py``), its schema, and the
+stats the swarm monitor shows. Every field is checked on store and on read: the DHT is shared with strangers."""
+
+from __future__ import annotations
+
+from hivemind.dht.schema import BytesWithPublicKey
+from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint, constr
+
+MAX_LOSS = 1e6
+"""The largest loss a progress record carries (a larger or non-finite one is sent as unknown)."""
+
+
+class PeerStats(BaseModel):
+    """What the swarm monitor (bootstrap node, ``diloco-peer status``) shows of a peer; no scraping needed."""
+
+    name: constr(max_length=64, strict=True)
+    state: constr(regex=r"^(joining|training|averaging|leaving)$", strict=True)
+    reach: constr(regex=r"^(direct|relayed|outbound-only|unknown)$", strict=True) = "unknown"
+    tokens_per_second: confloat(ge=0, le=1e12, strict=True)
+    train_loss: confloat(ge=0, le=MAX_LOSS, strict=True) | None
+    eval_loss: confloat(ge=0, le=MAX_LOSS, strict=True) | None
+    rounds_averaged: conint(ge=0, strict=True)
+    rounds_solo: conint(ge=0, strict=True)
+    rounds_failed: conint(ge=0, strict=True)
+    rounds_partial: conint(ge=0, strict=True) = 0  # a default: records of peers that predate it stay valid
+
+
+class ProgressRecord(BaseModel):  # pydantic v1: hivemind's SchemaValidator speaks v1
+    peer_id: StrictStr
+    epoch: conint(ge=0, strict=True)
+    inner_step: conint(ge=0, strict=True)
+    tokens: conint(ge=0, strict=True)
+    ready: StrictBool
+    """True once the peer finished the inner steps of ``epoch`` and waits for the round."""
+    round: conint(ge=0, strict=True) = 0
+    """The round this peer trains now: its pseudo-gradient will be averaged under this epoch. Equal to
+    ``epoch`` in blocking mode (more while it syncs towards a later epoch: the round it trains next); in
+    overlapped mode one more once the peer sent ``epoch``'s."""
+    state_hash: StrictStr = ""
+    """sha256 of the peer's outer weights at ``epoch``: peers that agree hold the same bytes."""
+    joined: StrictBool = True
+    """False from start until the peer has synced to the swarm's state (or found nothing to sync): until then
+    its epoch says nothing about the swarm's progress and it does not vote (see ``quorum_epoch``)."""
+    time: StrictFloat
+    stats: PeerStats | None = None
+    """Loss, throughput and round counts for the swarm monitor, refreshed with every publication."""
+
+
+class ProgressSchema(BaseModel):
+    progress: dict[BytesWithPublicKey, ProgressRecord | None]
