@@ -173,6 +173,7 @@ class PeerDaemon:
         progress = self.progress = SwarmProgress(dht, cfg.run.run_id, peer_id, cfg.averaging.heartbeat, faults=faults)
         self.metrics.name = self.name
         progress.stats_provider = self.metrics.swarm_stats  # the swarm monitor reads these from the DHT
+        progress.nudged = averager.nudged  # the round gate reads at once when told the last peer is ready
         await progress.publish(epoch=outer.epoch, round=outer.epoch, inner_step=trainer.step,
                                state_hash=sync.state_hash)
         progress.start_heartbeat()

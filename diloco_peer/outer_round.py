@@ -50,7 +50,7 @@ from .observe.inner_progress import InnerProgress
 from .round_record import Exchange, InnerResult, RoundRecord
 from .state.state_sync import StateSync
 from .state.target import after_failed_sync, swarm_target
-from .swarm.progress import ReadyDecision, SwarmProgress
+from .swarm.progress import ALL_READY, ReadyDecision, SwarmProgress
 from .training.outer_optimizer import OuterOptimizer, evaluate_outer, overlap_offset, progress_since, replica_copy
 from .training.trainer import ComputeThread, Trainer
 
@@ -183,8 +183,15 @@ class OuterRounds:
         self.events.write("averaging", peer=self.name, epoch=epoch, ready_peers=decision.ready)
         return Exchange(decision, await self.averager.average(pseudo_gradient, weight=tokens, epoch=epoch,
                                                               expected=decision.expected if cfg.start_when_complete
-                                                              else None),
+                                                              else None, nudge=self._waiting(decision, epoch)),
                         off_swarm=off_swarm)
+
+    def _waiting(self, decision: ReadyDecision, epoch: int) -> list[str]:
+        """Peers to tell that the round's last one is ready: all ready at our gate's first read (we came last)."""
+        if decision.reads != 1 or decision.reason != ALL_READY:
+            return []
+        return [r.peer_id for r in decision.records
+                if r.ready and r.epoch == epoch and r.peer_id != self.progress.record.peer_id]
 
     async def _collect(self) -> tuple[Exchange, float]:
         """The pending exchange's outcome and how long we waited for it; a failure there is a lost round."""

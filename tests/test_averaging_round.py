@@ -268,15 +268,16 @@ def test_a_member_that_goes_silent_mid_allreduce_is_dropped_within_seconds(dhts)
 
 
 @pytest.mark.light
-def test_a_live_averager_answers_whether_it_is_still_there(dhts):
-    """The question a member asks a quiet one before dropping it as silent gets an answer from a live averager (an
-    error would count as an answer too, so a handler that failed to register would hide every silent member)."""
+def test_members_news_still_there_is_answered_and_the_last_peer_ready_heard(dhts):
+    """The two questions between members' averagers (``member_news.py``): a live averager answers "still there?"
+    (an error would count as an answer too, so a handler that failed to register would hide every silent member);
+    and the round's last peer, telling a waiting one through its ``expect_group``, sets that one's ``nudged``."""
     from hivemind.proto import averaging_pb2
 
     from diloco_peer.averaging.pseudo_gradient_averager import PseudoGradientAverager
 
     near, far = dhts(2)
-    averager = RoundAverager(near, SHAPES, "test-run", CFG)
+    waiting, last = RoundAverager(near, SHAPES, "test-run", CFG), RoundAverager(far, SHAPES, "test-run", CFG)
 
     async def ask():
         p2p = await far.replicate_p2p()
@@ -285,9 +286,14 @@ def test_a_live_averager_answers_whether_it_is_still_there(dhts):
 
     try:
         answer = asyncio.run(ask())
+        assert not waiting.nudged.is_set()
+        last.averager.expect_group(None, None, [near.peer_id.to_base58()])
+        heard = waiting.nudged.wait(timeout=10)
     finally:
-        averager.shutdown()
+        waiting.shutdown()
+        last.shutdown()
     assert isinstance(answer, averaging_pb2.DownloadRequest)
+    assert heard and not last.nudged.is_set()
 
 
 def _runner_losing(connected: list[list[str]], active: set[str], reduces: bool = True):

@@ -2,6 +2,7 @@
 
 import asyncio
 import math
+import multiprocessing
 import time
 
 import pytest
@@ -16,7 +17,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from diloco_peer.config import load_config
 from diloco_peer.config.faults import Faults
 from diloco_peer.swarm import progress as progress_module
-from diloco_peer.swarm.progress import MAX_TTL, ExpirationCap, SwarmProgress, add_progress_validators, fetch_progress
+from diloco_peer.swarm.progress import (ALL_READY, MAX_TTL, ExpirationCap, SwarmProgress, add_progress_validators,
+                                        fetch_progress)
 from diloco_peer.swarm.progress_record import ProgressRecord, ProgressSchema
 from diloco_peer.tools.simulate import run_diloco
 
@@ -204,6 +206,41 @@ def test_gate_waits_for_stragglers_then_for_nobody(two_dhts):
     assert straggler.ready == 1 and straggler.alive == 2 and straggler.waited >= 1.5
     assert "stragglers" in straggler.reason
     assert everyone.ready == 2 and everyone.waited < 5 and "all peers" in everyone.reason
+
+
+@pytest.mark.parametrize("nudged", [True, False], ids=["told", "polling"])
+def test_a_gate_told_that_the_last_peer_is_ready_reads_at_once(two_dhts, monkeypatch, nudged):
+    """The round's last peer tells the peers waiting at their gates (``averaging/member_news.py``, which sets
+    ``nudged`` in the waiting peer's averager process): their gates read the records at once instead of at their
+    next poll (polls of 2 s here, 0.05 s in a swarm). The news alone decides nothing: the records do."""
+    monkeypatch.setattr(SwarmProgress, "POLL_SECONDS", 2.0)
+    monkeypatch.setattr(SwarmProgress, "FAST_POLL_SECONDS", 2.0)
+    dht_a, dht_b = two_dhts
+
+    async def scenario():
+        a = SwarmProgress(dht_a, RUN, "peer-a", heartbeat=5)
+        b = SwarmProgress(dht_b, RUN, "peer-b", heartbeat=5)
+        b.nudged = multiprocessing.Event()
+        await a.publish(epoch=0, ready=False)
+        await b.publish(epoch=0, ready=True)
+        waiting = asyncio.create_task(b.wait_until_ready(min_peers=2, min_peers_timeout=30, ready_timeout=30))
+        await asyncio.sleep(0.5)  # b's gate read a not ready, and waits for its next poll
+        b.nudged.set()  # news with nothing behind it: read, still not ready, wait on
+        await asyncio.sleep(0.3)
+        await a.publish(ready=True)
+        told = time.monotonic()
+        if nudged:
+            b.nudged.set()
+        decision = await waiting
+        return decision, time.monotonic() - told, b
+
+    decision, after, b = asyncio.run(scenario())
+    assert decision.ready == 2 and decision.reason == ALL_READY and decision.reads >= 3, decision
+    if nudged:
+        assert after < 0.5, after
+    else:
+        assert after > 0.5, after  # its next poll: 2 s after the read that followed the false news
+    assert not b.nudged.is_set()
 
 
 def test_a_read_that_misses_a_peer_does_not_make_it_vanish_until_its_record_expires(two_dhts, monkeypatch):

@@ -159,6 +159,11 @@ class RoundAverager:
             self.averager.expect_group(None)
 
     @property
+    def nudged(self):
+        """Set (a ``multiprocessing.Event``) when a peer says the round's last one is ready (``member_news.py``)."""
+        return self.averager.nudged
+
+    @property
     def inputs(self) -> list[torch.Tensor] | None:
         """Where the pseudo-gradient of a round should be written (``OuterOptimizer.pseudo_gradient_buffers``):
         ``average`` then sends it without copying it. None with error feedback, whose corrected pseudo-gradient
@@ -189,7 +194,7 @@ class RoundAverager:
             lock.release()
 
     async def average(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int,
-                      expected: int | None = None) -> RoundResult:
+                      expected: int | None = None, nudge: list[str] = ()) -> RoundResult:
         """All-reduce ``pseudo_gradient`` (weighted by ``weight``, the tokens behind it) with a group.
 
         :param epoch: our outer epoch: only peers averaging the same epoch share a group
@@ -199,6 +204,8 @@ class RoundAverager:
           show up (a straggler still training, a peer that died). None (or fewer than 2): the group gathers for
           the whole window. (The count of *ready* peers would turn a peer away that got ready just after another
           peer's gate opened: a full group refuses it, and it lost rounds that way in a 4-peer NAT test.)
+        :param nudge: peers (base58 ids) waiting at their round gates, told that the round's last peer is ready
+          (``member_news.py``; their gates watch ``nudged``)
         """
         started = time.perf_counter()
         before = self.averager.traffic.clone()
@@ -206,12 +213,12 @@ class RoundAverager:
             pseudo_gradient, _ = self.feedback.roundtrip(pseudo_gradient)
         self._in_flight = True
         try:
-            return await self._average(pseudo_gradient, weight, epoch, expected, started, before)
+            return await self._average(pseudo_gradient, weight, epoch, expected, nudge, started, before)
         finally:
             self._in_flight = False
 
     async def _average(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int, expected: int | None,
-                       started: float, before: torch.Tensor) -> RoundResult:
+                       nudge: list[str], started: float, before: torch.Tensor) -> RoundResult:
         if any(a is not b for a, b in zip(pseudo_gradient, self._inputs)):  # not written in place: copied
             with self.averager.get_tensors():  # (a late all-reduce of an abandoned round must not read it half-way)
                 for target, source in zip(self._inputs, pseudo_gradient):
@@ -223,7 +230,7 @@ class RoundAverager:
         # which a group we lead starts (hivemind's leader otherwise gathers followers until the end of the window
         # even when all are in). One call into the averager process: it is on the way of the round's last peers
         size = expected if expected and expected >= 2 else None
-        await hivemind_calls.call(self.averager.expect_group, size, format(epoch, "b"),
+        await hivemind_calls.call(self.averager.expect_group, size, format(epoch, "b"), nudge,
                                   timeout=self.cfg.request_timeout * 10)
         control = self.averager.step(
             weight=float(weight),

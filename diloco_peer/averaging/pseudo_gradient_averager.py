@@ -10,7 +10,8 @@ It lives in its own process (hivemind forks it) and adds to hivemind's matchmaki
   refused repeatedly); matchmaking skips leaders we refuse. Offenses cross to the host process through a queue;
 - **complete groups start at once**: told how many peers the round expects (``expect_group``), a group we lead
   begins its all-reduce as soon as they are all in, not at the end of the matchmaking window;
-- **state serving**: it serves this peer's state and downloads the state of one chosen donor (``state_sync.py``).
+- **state serving**: it serves this peer's state and downloads the state of one chosen donor (``state_sync.py``);
+- **member news** (``member_news.py``): "still there?" answered, "the round's last peer is ready" sent and heard.
 
 hivemind's private API is reached through ``hivemind_internals.py``; the private methods overridden here are
 listed in its inventory.
@@ -43,12 +44,13 @@ from . import hivemind_internals as internals
 from . import round_log, state_transfer
 from .allreduce import FAILED_VALUES, TRANSFER_US, ExactAllReduceRunner
 from .group_bans import left_out
+from .member_news import MemberNews
 from .robust_aggregation import BanList, Limits, capped_bandwidths
 
 logger = logging.getLogger(__name__)
 
 
-class PseudoGradientAverager(DecentralizedAverager):
+class PseudoGradientAverager(MemberNews, DecentralizedAverager):
     """hivemind's averager with exact (non-delta) results, byte counters, admission and bans.
 
     It also serves and fetches the peer's state (see ``state_sync.py``): ``state_provider`` is called in
@@ -86,6 +88,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self.replayed_at = torch.zeros(1, dtype=torch.float64).share_memory_()
         """``time.time()`` of the last download of logged rounds we served, shared with the host."""
         self.traffic = torch.zeros(5, dtype=torch.int64).share_memory_()
+        self.nudged = mp.Event()  # (``MemberNews``)
         self.state_provider = None
         self.limits, self.admission, self.progress_key, self.faults = limits, admission, progress_key, faults
         self.bans = bans if bans is not None else BanList(ban_after=2, ban_seconds=600.0)
@@ -153,11 +156,12 @@ class PseudoGradientAverager(DecentralizedAverager):
         by_name = {name: peer for peer, name in names.items()}
         return [by_name[name] for name in out]
 
-    def expect_group(self, size: int | None, group_bits: str | None = None) -> None:
+    def expect_group(self, size: int | None, group_bits: str | None = None, nudge: list[str] = ()) -> None:
         """From the host process, before a step: a group we lead starts its all-reduce once ``size`` members (us
         included) are in, not at the step's scheduled time; ``None`` gathers until then (hivemind's way).
         ``group_bits``: also the matchmaking key's bits (hivemind's ``set_group_bits``), in the same message: one
-        trip through the pipe per round instead of two.
+        trip through the pipe per round instead of two. ``nudge``: peers (base58) to tell, in the background, that
+        the round's last peer is ready (``MemberNews.nudge``).
 
         The scheduled time stays the upper bound: a group still short of ``size`` then starts with whoever came
         (``min_group_size`` at least). A group that reached ``size`` turns later peers away (hivemind's
@@ -167,11 +171,13 @@ class PseudoGradientAverager(DecentralizedAverager):
         if size is not None and size < 2:
             raise ValueError(f"a group needs at least 2 members, got expected size {size}")
         future = MPFuture()
-        internals.send_to_averager_process(self, "_expect_group", size, group_bits, future=future)
+        internals.send_to_averager_process(self, "_expect_group", size, group_bits, list(nudge), future=future)
         future.result()
 
-    async def _expect_group(self, size: int | None, group_bits: str | None, future: MPFuture) -> None:
+    async def _expect_group(self, size: int | None, group_bits: str | None, nudge: list[str],
+                            future: MPFuture) -> None:
         try:
+            self.nudge(nudge)
             if group_bits is not None:
                 await internals.set_group_bits_here(self, group_bits)
             internals.set_target_group_size(self, size)
@@ -234,12 +240,6 @@ class PseudoGradientAverager(DecentralizedAverager):
             return
         async for message in round_log.serve(self, request.metadata):
             yield message
-
-    async def rpc_still_there(self, request: averaging_pb2.DownloadRequest,
-                              context: P2PContext) -> averaging_pb2.DownloadRequest:
-        """Answers at once: a member of our all-reduce that has heard nothing from us for a while asks this before
-        it drops us from the round as silent (``member_silence.py``)."""
-        return averaging_pb2.DownloadRequest()
 
     async def _keep_round(self, epoch: int, state_hash: str, update: list | None, keep: int) -> None:
         round_log.keep(self, epoch, state_hash, update, keep)

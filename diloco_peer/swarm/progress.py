@@ -65,6 +65,8 @@ MAX_TTL = 600.0
 """Seconds into the future a DHT record may expire at most. Ours live 3 heartbeats, hivemind's matchmaking
 and state-sharing records a few matchmaking periods or ``3 * heartbeat``: all far below. It also bounds
 the clock skew a peer may have (its records' expirations are in its own clock)."""
+ALL_READY = "all peers of this epoch are ready"
+"""The round gate's reason when nobody is left to wait for."""
 DHT_CALL_TIMEOUT = 30.0
 """Seconds a DHT get or store may take: a healthy one answers within hivemind's RPC timeouts (a few seconds);
 one that takes longer waits on a DHT process that is gone, and is abandoned (``hivemind_calls``)."""
@@ -157,6 +159,8 @@ class ReadyDecision:
     reason: str
     records: list[ProgressRecord] = field(default_factory=list)
     """The live records the decision was made on (ours included)."""
+    reads: int = 0
+    """DHT reads of the records the gate made: 1 when every other peer was ready at its first (we came last)."""
     expected: int = 0
     """Peers that may come to this round's matchmaking (us included): every live record but a banned peer's, also
     those whose claims we do not trust (a liar may still average; a group started without it, filled up by the
@@ -180,7 +184,9 @@ class SwarmProgress:
     arrive within a second of each other, and the last one's matchmaking waits for the others' next poll, every
     round (polls of 0.5 s cost it up to 0.5 s; 0.1 s ones a loopback round's all-reduce 0.31-0.44 s where 0.05 s
     ones measured 0.27-0.36 s). Longer waits (a straggler) poll at ``POLL_SECONDS``, to keep the DHT load of a
-    large swarm down."""
+    large swarm down. A gate told that the round's last peer is ready (``nudged``) reads at once instead."""
+    NUDGE_GAP = 0.005
+    """Seconds between two looks at ``nudged`` while the gate waits: also the shortest wait between two reads."""
 
     def __init__(self, dht: DHT, run_id: str, peer_id: str, heartbeat: float, *, faults: Faults = NO_FAULTS):
         self.dht, self.run_id, self.heartbeat, self.faults = dht, run_id, heartbeat, faults
@@ -200,6 +206,9 @@ class SwarmProgress:
         """Live records (ours included) at the last ``swarm_records``, trusted or not, banned peers' left out."""
         self.stats_provider: Callable[[], dict] | None = None
         """Returns the current ``PeerStats`` fields; called at every publication (the heartbeat included)."""
+        self.nudged = None
+        """A ``multiprocessing.Event`` our averager sets when a peer says the round's last one is ready (the round
+        gate then reads the records at once: ``averaging/member_news.py``); None: the gate only polls."""
 
     async def publish(self, **changes) -> None:
         """Update fields of our record (epoch, inner_step, tokens, ready) and store it now."""
@@ -317,11 +326,14 @@ class SwarmProgress:
         reach our epoch.
         """
         started = time.monotonic()
-        quorum_since = None
+        quorum_since, reads = None, 0
+        if self.nudged is not None:
+            self.nudged.clear()  # news of an earlier round
         while True:
             if should_stop():
                 return ReadyDecision(1, 1, time.monotonic() - started, "stopping")
             records = await self.swarm_records()
+            reads += 1
             epoch = self.record.epoch
             if delayed:
                 sent = [r for r in records if r.epoch == epoch and r.ready]
@@ -339,16 +351,26 @@ class SwarmProgress:
             if len(records) >= min_peers:
                 quorum_since = quorum_since if quorum_since is not None else now
                 if ready == len(same_epoch) and not ahead:
-                    return ReadyDecision(ready, len(records), waited, "all peers of this epoch are ready", records,
-                                         self.present)
+                    return ReadyDecision(ready, len(records), waited, ALL_READY, records,
+                                         reads, self.present)
                 if now - quorum_since >= ready_timeout:
                     why = (f"ahead of the swarm (epoch {swarm}) after waiting {ready_timeout:g}s for it" if ahead
                            else f"stragglers left behind after {ready_timeout:g}s")
-                    return ReadyDecision(ready, len(records), waited, why, records, self.present)
+                    return ReadyDecision(ready, len(records), waited, why, records, reads, self.present)
             elif waited >= min_peers_timeout:
                 return ReadyDecision(ready, len(records), waited,
                                      f"only {len(records)} of min_peers={min_peers} after {waited:.0f}s", records,
-                                     self.present)
-            fast = min(self.POLL_SECONDS, max(self.FAST_POLL_SECONDS, len(records) / self.SWARM_POLLS_PER_SECOND))
-            in_window = time.monotonic() - started < self.FAST_POLL_WINDOW
-            await asyncio.sleep(fast if in_window else self.POLL_SECONDS)
+                                     reads, self.present)
+            await self._nap(len(records), started)
+
+    async def _nap(self, peers: int, since: float) -> None:
+        """The gate's wait between two reads, ``peers`` live and waiting since ``since``: a poll (fast in the first
+        ``FAST_POLL_WINDOW`` seconds), or until ``nudged`` (``NUDGE_GAP`` at least)."""
+        fast = min(self.POLL_SECONDS, max(self.FAST_POLL_SECONDS, peers / self.SWARM_POLLS_PER_SECOND))
+        end = time.monotonic() + (fast if time.monotonic() - since < self.FAST_POLL_WINDOW else self.POLL_SECONDS)
+        while self.nudged is not None and time.monotonic() + self.NUDGE_GAP < end:
+            await asyncio.sleep(self.NUDGE_GAP)
+            if self.nudged.is_set():
+                self.nudged.clear()
+                return
+        await asyncio.sleep(max(0.0, end - time.monotonic()))
