@@ -11,10 +11,11 @@ reaches it as a reducer. The two survivors go on for five rounds. Printed per ru
 seconds of the round p2 died in, beside the median of their rounds without a death; and the ratio. hivemind on
 its own waits ``sender_timeout`` (half the all-reduce timeout: 30 s) for a sender that never started.
 
-``--fault freeze`` (``freeze_in_allreduce:3``): at that same moment p2's averager process stops (SIGSTOP) instead of
-dying. Its connections stay up and nothing comes through them, as from a member whose laptop went to sleep or
-whose link went dead without a reset: nothing tells the others it is gone. Once both survivors have logged that
-round, the bench kills p2 (its process group), so that the later rounds are those of two peers.
+``--fault freeze`` (``freeze_in_allreduce:3``): p2's averager process stops (SIGSTOP) as its third all-reduce
+begins, before it sends anything. Its connections stay up and nothing comes through them, as from a member whose
+laptop went to sleep or whose link went dead without a reset: nothing tells the others it is gone. Once both
+survivors have logged that round, the bench kills p2 (its process group), so that the later rounds are those of two
+peers.
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@
   between the peers' gates was 0-0.07 s of a loopback round's ~0.2 s all-reduce. The last peer now tells the
   peers it found waiting (``nudge``, sent from our averager process beside the round's ``expect_group``), and
   their gates read the records at once. The news is only a reason to read: a gate decides on the records alone,
-  so a false one costs the receiver one DHT read (at most one per ``SwarmProgress.NUDGE_GAP``), nothing
-else.
+  so a false one costs the receiver a DHT read (one per ``SwarmProgress.NUDGE_GAP`` at most), nothing else.
 """
 
 from __future__ import annotations

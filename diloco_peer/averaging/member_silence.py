@@ -7,13 +7,13 @@ keeps its connections up and sends nothing through them. hivemind's only answer 
 ``reducer_timeout`` for a reducer's next average (45 s); the whole group waited 45 s for such a member
 (``bench/dead_member.py --fault freeze``).
 
-Silence alone proves nothing: a reducer says nothing until every sender's part is in, and a member on a slow
-uplink may take seconds between two messages to us. So a member we wait on that has said nothing for
-``SILENT_AFTER`` seconds is asked, on a stream of its own, whether it is still there (``rpc_still_there``, which
-its averager answers at once). A member that answers, or whose parts come in meanwhile, is waited for as before,
+Silence alone proves nothing: a reducer says nothing until every sender's part is in, and a member on a slow uplink
+may take seconds between two messages to us. So a member we wait on that has said nothing for ``SILENT_AFTER``
+seconds is asked, on a stream of its own, whether it is still there (``rpc_still_there``, which its averager answers
+at once: ``member_news.py``). A member that answers, or whose parts come in meanwhile, is waited for as before,
 hivemind's timeouts still bounding the wait; one that answers nothing within ``PROBE_TIMEOUT`` is silent: dropped
-from the round at once, as a member that crashed would be. Only a question that goes unanswered counts: an error
-is an answer (a peer of an older version, without this call, gets the old timeouts).
+from the round at once, as a member that crashed would be. Only a question that goes unanswered counts: an error is
+an answer (a peer of an older version, without this call, gets the old timeouts).
 """
 
 from __future__ import annotations

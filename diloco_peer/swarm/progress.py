@@ -351,8 +351,7 @@ class SwarmProgress:
             if len(records) >= min_peers:
                 quorum_since = quorum_since if quorum_since is not None else now
                 if ready == len(same_epoch) and not ahead:
-                    return ReadyDecision(ready, len(records), waited, ALL_READY, records,
-                                         reads, self.present)
+                    return ReadyDecision(ready, len(records), waited, ALL_READY, records, reads, self.present)
                 if now - quorum_since >= ready_timeout:
                     why = (f"ahead of the swarm (epoch {swarm}) after waiting {ready_timeout:g}s for it" if ahead
                            else f"stragglers left behind after {ready_timeout:g}s")
