@@ -2,14 +2,16 @@
 
 Owns: the config schema (``schema.py``), reading TOML files and ``--set`` overrides (``loading.py``), the
 shipped configs (``presets/*.toml``: package data), the environment variables we accept
-(``environment.py``) and the fault-injection test seam they can switch on (``faults.py``).
+(``environment.py``), the fault-injection test seam they can switch on (``faults.py``), and the errors a user
+sees, one line each (``errors.py``).
 Imports: nothing of diloco_peer (the bottom layer), and neither torch nor hivemind, so that the CLI can
 check every command line before the heavy imports.
 """
 
+from .errors import ConfigError, DataError
 from .loading import CONFIG_DIR, DEFAULT_CONFIG, load_config, parse_override, resolve_config_path
-from .schema import (NAME_PATTERN, AveragingConfig, CheckpointConfig, ConfigError, DataConfig, DataError,
-                     InnerConfig, MetricsConfig, ModelConfig, OuterConfig, PeerConfig, RunConfig, SwarmConfig)
+from .schema import (NAME_PATTERN, AveragingConfig, CheckpointConfig, DataConfig, InnerConfig, MetricsConfig,
+                     ModelConfig, OuterConfig, PeerConfig, RunConfig, SwarmConfig)
 
 __all__ = [
     "CONFIG_DIR", "DEFAULT_CONFIG", "NAME_PATTERN", "AveragingConfig", "CheckpointConfig", "ConfigError",

@@ -11,8 +11,7 @@ import logging
 from collections.abc import Mapping
 
 from .faults import FAULT_ENV, GRAMMAR, Faults
-from .loading import _shorten
-from .schema import ConfigError
+from .errors import ConfigError, shortened
 
 
 def _is_int_at_least(low: int):
@@ -55,5 +54,5 @@ def check_environment(environ: Mapping[str, str]) -> None:
     for name, (is_good, expected) in ENVIRONMENT.items():
         value = environ.get(name)
         if value is not None and not is_good(value):
-            raise ConfigError(f"bad environment variable {name}={_shorten(repr(value))}: expected {expected}; "
+            raise ConfigError(f"bad environment variable {name}={shortened(repr(value))}: expected {expected}; "
                               f"fix it or unset it (unset {name})")

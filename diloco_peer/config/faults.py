@@ -44,8 +44,7 @@ import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .loading import _shorten
-from .schema import ConfigError
+from .errors import ConfigError, shortened
 
 FAULT_ENV = "DILOCO_PEER_FAULT"
 """The environment variable that switches a fault on (tests only); empty is the same as unset."""
@@ -110,8 +109,8 @@ class Faults:
             return cls(serve_stall_after=int(arg))
         if kind == "refuse_round" and sep and re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)*", arg):
             return cls(refuse_rounds=tuple(int(n) for n in arg.split(",")))
-        problem = f"unknown fault {_shorten(kind)!r}" if kind not in KINDS else f"bad argument for {kind}"
-        raise ConfigError(f"bad fault {_shorten(text)!r} ({FAULT_ENV}): {problem}; expected one of {GRAMMAR}")
+        problem = f"unknown fault {shortened(kind)!r}" if kind not in KINDS else f"bad argument for {kind}"
+        raise ConfigError(f"bad fault {shortened(text)!r} ({FAULT_ENV}): {problem}; expected one of {GRAMMAR}")
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str]) -> Faults:

@@ -13,7 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from .schema import ConfigError, PeerConfig
+from .errors import ConfigError, shortened
+from .schema import PeerConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "presets"
 """The shipped configs (tiny-cpu, llama-150m, llama-1b): package data, so a wheel install has them too."""
@@ -31,9 +32,9 @@ def resolve_config_path(name_or_path: str) -> Path:
         if shipped.is_file():
             return shipped
     except OSError as e:  # e.g. a name too long for the file system
-        raise ConfigError(f"config '{_shorten(name_or_path)}' cannot be read ({e.strerror}): give a TOML file "
+        raise ConfigError(f"config '{shortened(name_or_path)}' cannot be read ({e.strerror}): give a TOML file "
                           f"path or one of: {known}") from None
-    raise ConfigError(f"config '{_shorten(name_or_path)}' not found: give a TOML file path or one of: {known}")
+    raise ConfigError(f"config '{shortened(name_or_path)}' not found: give a TOML file path or one of: {known}")
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -50,7 +51,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     except RecursionError:
         raise ConfigError(f"bad --set value for '{key}': nested too deeply") from None
     except ValueError:  # Python's int() refuses numbers of more than 4300 digits
-        raise ConfigError(f"bad --set value for '{key}': {_shorten(raw)} is too long a number") from None
+        raise ConfigError(f"bad --set value for '{key}': {shortened(raw)} is too long a number") from None
     return key.split("."), value
 
 
@@ -78,11 +79,6 @@ def _apply_override(tree: dict, path: list[str], value: Any) -> None:
         model = annotation
 
 
-def _shorten(text: str, limit: int = 80) -> str:
-    """A bad value as the error shows it: whole if short, its start and length if not."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
 def _format_error(err: ValidationError, source: str) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
@@ -95,7 +91,7 @@ def _format_error(err: ValidationError, source: str) -> str:
         valid = ", ".join(model.model_fields)
         return f"unknown config key '{loc}' in {source}: not in [{section or 'top level'}] (valid: {valid})"
     if "input" in first and first["type"] not in ("value_error", "missing"):
-        return f"bad value for '{loc}' in {source}: {_shorten(repr(first['input']))}: {msg}"
+        return f"bad value for '{loc}' in {source}: {shortened(repr(first['input']))}: {msg}"
     return f"bad config in {source}{' at ' + loc if loc else ''}: {msg.removeprefix('Value error, ')}"
 
 
@@ -107,7 +103,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pe
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{config_path} is not valid TOML: {e}") from None
     except ValueError as e:  # a number of more than 4300 digits (Python's int() limit)
-        raise ConfigError(f"{config_path} is not usable TOML: {_shorten(str(e))}") from None
+        raise ConfigError(f"{config_path} is not usable TOML: {shortened(str(e))}") from None
     except RecursionError:
         raise ConfigError(f"{config_path} is not usable TOML: arrays or tables nested too deeply") from None
     except OSError as e:

@@ -17,18 +17,6 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 """Run ids and peer names: they become DHT keys and file names, so no slashes, spaces or leading dots."""
 
 
-class ConfigError(ValueError):
-    """A bad config file, key or value. The message is one line, fit to print as it is."""
-
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).splitlines()))  # user input may carry line breaks
-
-
-class DataError(ValueError):
-    """Unusable data settings or files; the message says which and how to fix it (raised by
-    ``training/data.py``, defined here so that the CLI can catch it without importing torch)."""
-
-
 class _Section(BaseModel):
     # strict: "yes" is not a bool and "3" is not an int; extra keys are typos, not options.
     # No inf/nan: TOML has them, but an infinite rate or timeout only ever fails later, far from its cause.
