@@ -11,8 +11,9 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 
 RUN pip install --index-url "$TORCH_INDEX" torch
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY diloco_peer ./diloco_peer
+COPY configs ./configs
 # A regular (not editable) install, the shipped configs inside it as package data; the sources then go, so
 # that the image runs what a wheel installs and nothing of the checkout (tests/test_install.py checks the same).
 RUN pip install ".${EXTRAS:+[$EXTRAS]}" && cd / && rm -rf /src

@@ -26,7 +26,7 @@ import yaml
 from conftest import FAST, LocalSwarm, orphaned_p2pd_pids, wait_for_line, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-PRESETS = ROOT / "diloco_peer" / "config" / "presets"
+PRESETS = ROOT / "configs"
 CPU_PRESETS = {"tiny-cpu"}  # the shipped configs that train on a CPU; the others need a GPU and `.[hf]` data
 EXIT_UNREACHABLE = 3  # cli.EXIT_UNREACHABLE: no bootstrap answered within swarm.join_timeout
 
@@ -133,8 +133,8 @@ def test_wheel_from_a_clean_tree_ships_every_module_and_config(installed, tmp_pa
     names = set(zipfile.ZipFile(installed.wheel).namelist())
     sources = {p.relative_to(installed.tree).as_posix() for p in (installed.tree / "diloco_peer").rglob("*.py")}
     assert sources - names == set(), "modules missing from the wheel"
-    presets = {f"diloco_peer/config/presets/{name}.toml" for name in ("tiny-cpu", "llama-150m", "llama-1b")}
-    assert presets <= names and {f"diloco_peer/config/presets/{p.name}" for p in PRESETS.glob("*.toml")} <= names
+    presets = {f"diloco_peer/configs/{name}.toml" for name in ("tiny-cpu", "llama-150m", "llama-1b")}
+    assert presets <= names and {f"diloco_peer/configs/{p.name}" for p in PRESETS.glob("*.toml")} <= names
 
     # run from elsewhere, the fresh venv's python imports the installed copy, never the checkout
     probe = subprocess.run([installed.bin("python"), "-c", "import json, sys, diloco_peer.config as c; "
@@ -259,7 +259,7 @@ def test_installed_cli_runs_every_shipped_config_and_the_compose_services(instal
     assert (compose.volume("shared") / "bootstrap.addr").read_text().strip() == address
     wait_until(lambda: compose.healthy("bootstrap", env), "healthy bootstrap (its compose healthcheck)", 60)
 
-    presets = sorted(p.stem for p in (installed.site_packages / "diloco_peer/config/presets").glob("*.toml"))
+    presets = sorted(p.stem for p in (installed.site_packages / "diloco_peer/configs").glob("*.toml"))
     assert presets == sorted(p.stem for p in PRESETS.glob("*.toml")) and CPU_PRESETS <= set(presets)
     # the configs that cannot train here: found and validated, then exit 3 from a bootstrap nobody answers
     # (a config that is not found or not valid exits 2 before any joining)

@@ -1,4 +1,4 @@
-"""Loading a config: a TOML file (a path, or the name of one shipped in ``presets/``) plus ``--set`` overrides.
+"""Loading a config: a TOML file (a path, or the name of one shipped in ``configs/``) plus ``--set`` overrides.
 
 Values in ``--set`` use TOML syntax (``inner.lr=3e-4``, ``data.paths=["a.txt"]``, ``run.run_id="my-run"``;
 a bare word is taken as a string). Every mistake becomes a :class:`ConfigError` with a one-line message
@@ -16,13 +16,23 @@ from pydantic import BaseModel, ValidationError
 from .errors import ConfigError, shortened
 from .schema import PeerConfig
 
-CONFIG_DIR = Path(__file__).resolve().parent / "presets"
-"""The shipped configs (tiny-cpu, llama-150m, llama-1b): package data, so a wheel install has them too."""
+_PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def _shipped_configs() -> Path:
+    # a wheel installs configs/ inside the package (setup.py); a checkout, installed editable or not, has it at
+    # the top, beside the package
+    installed = _PACKAGE / "configs"
+    return installed if installed.is_dir() else _PACKAGE.parent / "configs"
+
+
+CONFIG_DIR = _shipped_configs()
+"""The shipped configs (tiny-cpu, llama-150m, llama-1b): the top-level ``configs/``, in a wheel install too."""
 DEFAULT_CONFIG = "tiny-cpu"
 
 
 def resolve_config_path(name_or_path: str) -> Path:
-    """``tiny-cpu`` -> ``presets/tiny-cpu.toml``; any existing path is taken as it is."""
+    """``tiny-cpu`` -> ``configs/tiny-cpu.toml``; any existing path is taken as it is."""
     path = Path(name_or_path)
     known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml")))
     try:

@@ -1,7 +1,7 @@
 """A Llama-style decoder-only transformer: RMSNorm, rotary position embeddings, SwiGLU, grouped-query attention.
 
 Small enough to read in one sitting; the same code builds the 0.4M-parameter CPU demo model and
-OpenDiLoCo's 150M / 1.1B shapes (see ``config/presets/``). Initialisation is a pure function of the seed,
+OpenDiLoCo's 150M / 1.1B shapes (see the top-level ``configs/``). Initialisation is a pure function of the seed,
 so every peer of a swarm starts from bit-identical weights.
 """
 
