@@ -7,7 +7,7 @@ talking over loopback. Peers get distinct data shards and leave by themselves af
 rounds (``run.max_rounds``); the demo follows their event logs for live progress, then stops the
 bootstrap, prints a per-round table, writes ``summary.json`` and ``loss.png`` into ``--out``.
 
-Nothing it starts outlives it. SIGTERM, SIGINT or SIGHUP: it stops the swarm (``_LocalSwarm.stop``), removes
+Nothing it starts outlives it. SIGTERM, SIGINT or SIGHUP: it stops the swarm (``_DemoSwarm.stop``), removes
 the NAT namespaces and exits 130; a second signal kills everything at once. If the demo is SIGKILLed, its
 reaper (``reaper.py``) kills its processes and deletes the namespaces; theirs take their DHT and p2pd along.
 
@@ -30,11 +30,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..config import ConfigError, PeerConfig, load_config
-from ..lifecycle.reaper import Reaper, kill_trees, stop_in_order
+from ..lifecycle.reaper import Reaper
 from ..observe.events import EventFollower, read_events
 from ..observe.report import format_table, plot_losses, summarize
-from ..swarm.addresses import SwarmError
 from .churn import ChurnAction, due, effects, parse_churn
+from .local_swarm import LocalSwarm, tail
 from .netbed import EmulatedInternet, available
 
 POLL_SECONDS = 0.5
@@ -45,31 +45,6 @@ EXIT_INTERRUPTED = 130  # cli.EXIT_INTERRUPTED: the demo was stopped by a signal
 
 class Interrupted(Exception):
     """A stop signal (its name) reached the demo; raised where it polls, so the swarm stops from a known state."""
-
-
-def _python_cmd(*args: str) -> list[str]:
-    """``diloco-peer ARGS`` as this Python runs it: the demo's processes use this very install."""
-    return [sys.executable, "-m", "diloco_peer", *args]
-
-
-def _wait_for_join_line(log: Path, proc: subprocess.Popen, check, timeout: float = 60.0) -> str:
-    """The address in the bootstrap node's ``diloco-peer join ADDRESS`` line, once it is in ``log``; ``check()``
-    is called while waiting (it raises ``Interrupted``)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        check()
-        for line in log.read_text().splitlines():
-            if line.startswith("diloco-peer join "):
-                return line.split()[2]
-        if proc.poll() is not None:
-            raise SwarmError(f"the bootstrap node exited with code {proc.returncode}; see {log}")
-        time.sleep(0.2)
-    raise SwarmError(f"the bootstrap node printed no join address within {timeout:.0f}s; see {log}")
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    """The last ``lines`` lines of a log, for the error that says a peer failed."""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
 class _Progress:
@@ -136,18 +111,20 @@ def check_args(args) -> tuple[PeerConfig, list[ChurnAction]]:
     return cfg, actions
 
 
-class _LocalSwarm:
-    """The demo's processes: one bootstrap node and peers ``peer-0``, ``peer-1``, ... (each in its own home
-    behind a NAT router with ``--nat``), and what the churn schedule did to them. As a context manager it owns
-    their lifetime: the stop signals and the reaper are set up on entry; on exit every process is stopped."""
+class _DemoSwarm:
+    """The demo's processes (a ``LocalSwarm`` in ``--out``): one bootstrap node and peers ``peer-0``, ``peer-1``,
+    ... (each in its own home behind a NAT router with ``--nat``), and what the churn schedule did to them. As a
+    context manager it owns their lifetime: the stop signals and the reaper are set up on entry; on exit every
+    process is stopped."""
 
     def __init__(self, args, cfg: PeerConfig, out: Path):
         self.args, self.cfg, self.out = args, cfg, out
         self.started = time.monotonic()
         self.threads = max(1, (os.cpu_count() or 1) // args.peers)
         self.net: EmulatedInternet | None = None
-        self.bootstrap: subprocess.Popen | None = None
-        self.address = ""
+        # each process in its own session: a terminal's Ctrl+C reaches it once, through the demo (a second signal
+        # would make a peer exit at once, without its checkpoint); each watched by the reaper
+        self.swarm = LocalSwarm(out, on_spawn=lambda proc: self.reaper.watch([proc.pid]), check=self.check)
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
         self.followers: list[EventFollower] = []
@@ -158,7 +135,7 @@ class _LocalSwarm:
         self.reaper: Reaper | None = None
         self._handlers: dict = {}
 
-    def __enter__(self) -> _LocalSwarm:
+    def __enter__(self) -> _DemoSwarm:
         self.reaper = Reaper()  # if the demo is SIGKILLed, its processes and namespaces go with it
         self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         return self
@@ -178,24 +155,13 @@ class _LocalSwarm:
         if self.signalled is None:
             self.signalled = signum  # acted on where the demo waits (``check``), not at an arbitrary bytecode
             return
-        kill_trees(self._everyone())
+        self.swarm.kill()
         os._exit(EXIT_INTERRUPTED)  # the reaper, still watching, deletes the namespaces
 
     def check(self) -> None:
         """Raise ``Interrupted`` once a stop signal has come; called wherever the demo waits."""
         if self.signalled is not None:
             raise Interrupted(signal.Signals(self.signalled).name)
-
-    def _everyone(self) -> list[subprocess.Popen]:
-        return [*self.procs.values(), *([self.bootstrap] if self.bootstrap else [])]
-
-    def _spawn(self, cmd: list[str], log: Path) -> subprocess.Popen:
-        """``cmd`` writing to ``log``, watched by the reaper, in its own session: a terminal's Ctrl+C reaches it
-        once, through the demo (a second signal would make a peer exit at once, without its checkpoint)."""
-        with log.open("w") as output:
-            proc = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-        self.reaper.watch([proc.pid])
-        return proc
 
     def start(self, homes: int) -> None:
         """Build the emulated internet (``--nat``: ``homes`` homes), then start the bootstrap node and the peers."""
@@ -209,20 +175,19 @@ class _LocalSwarm:
         for i in range(self.args.peers):
             self.start_peer(i)
 
-    def _where(self, i: int | None, cmd: list[str]) -> list[str]:
-        """``cmd`` run in peer i's home (None: the public network), or as it is without ``--nat``."""
+    def _where(self, i: int | None) -> str:
+        """The network namespace of peer i's home (None: of the public network), or "" without ``--nat``."""
         net = self.net
-        return cmd if net is None else net.command(net.public if i is None else net.home(i + 1), cmd)
+        return "" if net is None else net.public if i is None else net.home(i + 1)
 
     def start_bootstrap(self) -> None:
         """Start the bootstrap node and wait for the join address it prints."""
-        args, log = self.args, self.out / "bootstrap.log"
+        args = self.args
         listen = f"/ip4/{self.net.public_address}/tcp/31337" if self.net else "/ip4/127.0.0.1/tcp/0"
         metrics = ["--metrics-port", str(args.metrics_port_base)] if args.metrics_port_base else []
-        self.bootstrap = self._spawn(self._where(None, _python_cmd(
-            "bootstrap", "--listen", listen, "--run-id", self.cfg.run.run_id, "--report-every", "10", *metrics)), log)
-        self.address = _wait_for_join_line(log, self.bootstrap, self.check)
-        print(f"demo: bootstrap node at {self.address}", flush=True)
+        address = self.swarm.start_bootstrap("--run-id", self.cfg.run.run_id, "--report-every", "10", *metrics,
+                                             listen=listen, netns=self._where(None))
+        print(f"demo: bootstrap node at {address}", flush=True)
         if args.metrics_port_base:
             print(f"demo: metrics on http://127.0.0.1:{args.metrics_port_base}/metrics (swarm) and ports "
                   f"{args.metrics_port_base + 1}.. (peer i on {args.metrics_port_base}+1+i)", flush=True)
@@ -233,15 +198,12 @@ class _LocalSwarm:
         # one shard per peer: each reads 1/N of the corpus rather than 1/64th of it
         sets = [f"data.num_shards={args.peers}", f"data.shard={index % args.peers}", f"run.threads={self.threads}",
                 f"averaging.min_peers={args.peers}", *args.overrides,
-                f"run.max_rounds={args.rounds}", f"run.log_dir={json.dumps(str(out))}",
-                f"checkpoint.dir={json.dumps(str(out / 'checkpoints'))}"]
+                f"run.max_rounds={args.rounds}", f"checkpoint.dir={json.dumps(str(out / 'checkpoints'))}"]
         if args.metrics_port_base:
             sets.append(f"metrics.port={args.metrics_port_base + 1 + index}")
-        cmd = _python_cmd("join", self.address, "--name", name, *(["--config", args.config] if args.config else []))
-        for item in sets:
-            cmd += ["--set", item]
-        self.procs[name] = self._spawn(self._where(index, cmd), out / f"{name}.log")
-        self.logs[name] = out / f"{name}.jsonl"
+        self.procs[name] = self.swarm.start_peer(name, *sets, netns=self._where(index),
+                                                 args=["--config", args.config] if args.config else [])
+        self.logs[name] = out / f"{name}.jsonl"  # (run.log_dir: the swarm's directory, --out)
         self.followers.append(EventFollower(self.logs[name]))
 
     def fire(self, action: ChurnAction) -> None:
@@ -279,10 +241,11 @@ class _LocalSwarm:
         DHT), with the signal that stopped the demo (SIGHUP as SIGTERM) or SIGTERM; SIGKILL what is left after
         the peers' ``run.shutdown_grace`` plus ``STOP_MARGIN``; then take the emulated internet down."""
         signum = signal.SIGINT if self.signalled == signal.SIGINT else signal.SIGTERM
-        deadline = time.monotonic() + self.cfg.run.shutdown_grace + STOP_MARGIN
-        stop_in_order([list(self.procs.values()), [self.bootstrap] if self.bootstrap else []], signum, deadline)
-        if self.net is not None:
-            self.net.close()
+        try:
+            self.swarm.reap(signum, grace=self.cfg.run.shutdown_grace + STOP_MARGIN, peers_first=True)
+        finally:
+            if self.net is not None:
+                self.net.close()
 
 
 def _clear(out: Path) -> None:
@@ -294,7 +257,7 @@ def _clear(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _follow(swarm: _LocalSwarm, actions: list[ChurnAction], progress: _Progress) -> int | None:
+def _follow(swarm: _DemoSwarm, actions: list[ChurnAction], progress: _Progress) -> int | None:
     """Follow the peers' event logs until every peer has exited, showing progress and firing churn items as
     their rounds begin averaging; 1 once a peer failed or ``--timeout`` passed, None when the swarm is done."""
     args = swarm.args
@@ -315,7 +278,7 @@ def _follow(swarm: _LocalSwarm, actions: list[ChurnAction], progress: _Progress)
         if failed:
             name, code = next(iter(failed.items()))
             progress.close()
-            print(f"demo: {name} exited with code {code}; its last log lines:\n{_tail(swarm.out / f'{name}.log')}",
+            print(f"demo: {name} exited with code {code}; its last log lines:\n{tail(swarm.swarm.log(name), 15)}",
                   file=sys.stderr)
             return 1
         if swarm.finished() and all(a.fired_seconds for a in actions):
@@ -334,7 +297,7 @@ def _follow(swarm: _LocalSwarm, actions: list[ChurnAction], progress: _Progress)
     return None
 
 
-def _report(args, swarm: _LocalSwarm, actions: list[ChurnAction]) -> int:
+def _report(args, swarm: _DemoSwarm, actions: list[ChurnAction]) -> int:
     """Summarise the finished swarm: write the summary JSON and the loss plot, print the per-round table,
     the churn items' effects and each peer's reachability; 0 if the swarm completed every round."""
     logs = swarm.logs
@@ -367,7 +330,7 @@ def run_demo(args) -> int:
     print(f"demo: 1 bootstrap + {args.peers} peers, {args.rounds} outer rounds of H={cfg.outer.inner_steps} inner "
           f"steps, config {args.config or 'tiny-cpu'}; logs in {out}/", flush=True)
     try:
-        with _LocalSwarm(args, cfg, out) as swarm:
+        with _DemoSwarm(args, cfg, out) as swarm:
             swarm.start(homes=args.peers + sum(a.count for a in actions if a.action == "join"))  # joiners too
             failed = _follow(swarm, actions, _Progress(args.peers, args.rounds))
     except Interrupted:
