@@ -16,7 +16,6 @@ import hashlib
 import importlib
 import inspect
 import time
-import types
 from pathlib import Path
 
 import hivemind
@@ -31,7 +30,7 @@ from hivemind.utils import MPFuture
 import diloco_peer
 from diloco_peer.averaging import hivemind_internals
 from diloco_peer.averaging.allreduce import ExactAllReduceRunner
-from diloco_peer.averaging.hivemind_internals import AVERAGER, CONTAINER, CONTROL, MATCHMAKING, REDUCER, RUNNER, LoopLag
+from diloco_peer.averaging.hivemind_internals import AVERAGER, CONTAINER, CONTROL, MATCHMAKING, REDUCER, RUNNER
 from diloco_peer.averaging.pseudo_gradient_averager import PseudoGradientAverager
 from diloco_peer.averaging.robust_aggregation import CheckedPartReducer, Limits
 from diloco_peer.swarm import p2pd_internals
@@ -198,74 +197,3 @@ def test_the_scan_finds_a_private_read(tmp_path):
     sneaky.write_text("def f(self, averager):\n"
                       "    return averager._running_groups, super()._step(), self._step(), self._outer_pipe\n")
     assert _private_uses(sneaky) == ["line 2: ._running_groups", "line 2: ._outer_pipe"]
-
-
-def test_a_leader_forms_its_full_group_at_once_while_its_loop_is_on_time_and_after_the_grace_otherwise(monkeypatch):
-    """The grace before forming a full group guards against a follower that gave up on a late answer: a leader
-    whose event loop has woken on time for a whole window answers at once (``LoopLag.calm``) and skips it; from
-    the start, once the watch has run for a join request's timeout (every request still waiting came meanwhile);
-    and a loop late only before the round began (its size set: every join request of the round comes after)."""
-    monkeypatch.setattr(hivemind_internals, "LoopLag", lambda **kw: LoopLag(period=0.02, window=0.3, limit=0.05, **kw))
-
-    async def scenario() -> dict[str, float]:
-        formed = []
-
-        async def assemble():
-            formed.append(time.monotonic())
-            return "group"
-
-        matchmaking = types.SimpleNamespace(target_group_size=None, leader_assemble_group=assemble, request_timeout=0.1,
-                                            assembled_group=asyncio.get_running_loop().create_future())
-        hivemind_internals.set_target_group_size(types.SimpleNamespace(_matchmaking=matchmaking), 3)
-        took = {}
-
-        async def form(name: str) -> None:
-            started = time.monotonic()
-            assert await matchmaking.leader_assemble_group() == "group"
-            took[name] = formed[-1] - started
-
-        await form("before a request's timeout was watched")
-        await asyncio.sleep(0.15)
-        await form("on time since the start, for a request's timeout")
-        await asyncio.sleep(0.25)
-        await form("on time for a window")
-        time.sleep(0.15)  # the loop is blocked (a busy leader)
-        await form("right after a late wake-up")
-        await asyncio.sleep(0.1)
-        await form("within the window of a late wake-up")
-        await asyncio.sleep(0.4)
-        await form("on time again for a window")
-        time.sleep(0.15)  # late while this peer trained, before its next round
-        await asyncio.sleep(0.05)
-        hivemind_internals.set_target_group_size(types.SimpleNamespace(_matchmaking=matchmaking), 3)  # a round
-        await form("late before the round began only")
-        time.sleep(0.15)
-        await form("late since the round began")
-        return took
-
-    took = asyncio.run(scenario())
-    grace = hivemind_internals.ASSEMBLY_GRACE
-    waited = {name: seconds >= grace for name, seconds in took.items()}
-    assert waited == {"before a request's timeout was watched": True,
-                      "on time since the start, for a request's timeout": False, "on time for a window": False,
-                      "right after a late wake-up": True, "within the window of a late wake-up": True,
-                      "on time again for a window": False, "late before the round began only": False,
-                      "late since the round began": True}, took
-
-
-def test_the_loop_watch_counts_a_late_wake_up_for_a_window_and_a_blocked_loop_at_once():
-    async def scenario() -> list[bool]:
-        lag = LoopLag(period=0.02, window=0.3, limit=0.05)
-        lag.start()
-        seen = [lag.calm()]
-        await asyncio.sleep(0.4)
-        seen.append(lag.calm())
-        time.sleep(0.1)  # blocked: the watcher has not woken yet, the check must not wait for it
-        seen.append(lag.calm())
-        await asyncio.sleep(0.05)
-        seen.append(lag.calm())
-        await asyncio.sleep(0.35)
-        seen.append(lag.calm())
-        return seen
-
-    assert asyncio.run(scenario()) == [False, True, False, False, True]

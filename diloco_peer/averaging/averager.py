@@ -161,7 +161,7 @@ class RoundAverager:
     @property
     def nudged(self):
         """Set (a ``multiprocessing.Event``) when a peer says the round's last one is ready (``member_news.py``)."""
-        return self.averager.nudged
+        return self.averager.news.nudged
 
     @property
     def inputs(self) -> list[torch.Tensor] | None:

@@ -25,13 +25,14 @@ from collections.abc import Callable
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 
 from ..swarm.p2pd_internals import HIVEMIND_VERSION, PrivateUse
 
-__all__ = ["HIVEMIND_VERSION", "INVENTORY", "LoopLag", "ban_sender", "forbid_retries", "keeping_our_sigint",
-           "mark_state_updated", "own_input_parts", "leave_out_before_assembly", "p2p_of", "patch_join_requests",
+__all__ = ["HIVEMIND_VERSION", "INVENTORY", "ban_sender", "forbid_retries", "keeping_our_sigint", "mark_state_updated",
+           "matchmaking_of", "own_input_parts", "leave_out_before_assembly", "p2p_of", "patch_join_requests",
            "reject_stale_join_requests", "running_group", "send_to_averager_process", "set_group_bits_here",
            "set_target_group_size", "state_from_host"]
 
@@ -96,7 +97,7 @@ INVENTORY = (
     PrivateUse(MATCHMAKING, "_check_reasons_to_reject", "patch",
                "reject_stale_join_requests (per averager instance): turns away a request that waited too long",
                ("request", "context")),
-    *_reads(MATCHMAKING, "reject_stale_join_requests, set_target_group_size", "request_timeout"),
+    *_reads(MATCHMAKING, "reject_stale_join_requests, assembly_grace.round_begins", "request_timeout"),
     PrivateUse(MATCHMAKING, "leader_assemble_group", "patch",
                "leave_out_before_assembly (per averager instance): drops followers before the group forms", ()),
     *_reads(MATCHMAKING, "leave_out_before_assembly", "current_followers"),
@@ -106,8 +107,10 @@ INVENTORY = (
                "set_target_group_size: a leader assembles its group when target_group_size members are in",
                ("request", "context"), "0d6120e412849439dbc8dd78ef7d87543ef956e251fa1590888af06dfc12864a"),
     PrivateUse(MATCHMAKING, "leader_assemble_group", "relies",
-               "set_target_group_size: wrapped on the instance, to wait ASSEMBLY_GRACE before forming the group",
+               "assembly_grace.round_begins: wrapped on the instance, to wait ASSEMBLY_GRACE before forming the group",
                (), "516cc5ff7fb369f2bec50e89ba31d5a2628001f45f159da650b6de759d786fd4"),
+    *_reads(MATCHMAKING, "assembly_grace.round_begins (the wrapped assembly: cancelled meanwhile?)",
+            "assembled_group"),
     PrivateUse(MATCHMAKING, "_check_reasons_to_reject", "relies",
                "set_target_group_size: a full group turns further peers away (GROUP_IS_FULL)",
                ("request", "context"), "c694e8194862154f80c71315a9a91813d01c907668a4fba8d1f29c88fe7618d3"),
@@ -222,91 +225,15 @@ def set_target_group_size(averager: DecentralizedAverager, size: int | None) -> 
     creates it; ``rpc_join_group`` reads it at every follower it accepts (assembles the group when it is reached)
     and ``_check_reasons_to_reject`` turns further peers away with ``GROUP_IS_FULL``. Only the matchmaking's copy
     is set: the ``GroupKeyManager`` keeps its own (None), from which it derives the group bits after a group.
-
-    A group assembled the moment its last follower is accepted can hold a follower that is already gone: one
-    whose join request timed out on its side (a busy leader answered late) closes its stream and looks for
-    another group, and hivemind forgets it only once its handler sees the closed stream. The group would
-    then wait a whole sender timeout for its parts (seen under load: a 40 s round). So, once a size was set,
-    the matchmaking's ``leader_assemble_group`` waits ``ASSEMBLY_GRACE`` seconds first (it holds the join lock:
-    nobody else joins meanwhile), and a follower that left in the meantime is not in the group; unless this
-    process's event loop has been on time (``LoopLag.calm``): a request that waited over half its timeout for us
-    is turned away (``reject_stale_join_requests``), and a leader that answers the rest at once leaves its
-    followers half their timeout for the way there and back. (Waited always, the grace made a loopback round's
-    all-reduce 0.42 s, against 0.26 s waited only by a late leader: ``bench/round_latency.py``.) Only the loop's
-    lateness since this call counts: it comes before each step, and every join request of the round after it.
+    A group formed the moment it is complete may hold a follower that is already gone: ``assembly_grace.py``.
     """
-    matchmaking = averager._matchmaking
-    matchmaking.target_group_size = size
-    lag = getattr(matchmaking, "_loop_lag", None)
-    if lag is None:  # the first call, with a size or not (the daemon makes it when its averager starts). A join
-        # request lives at most request_timeout: once the watch has run that long, every request still waiting came
-        # while it watched (a whole window, 5 s, made the first round wait the grace when it began within 5 s of
-        # the start: a 0.36 s all-reduce in 1 of 3 loopback demos, 0.21-0.25 s in the others)
-        lag = matchmaking._loop_lag = LoopLag(watched=matchmaking.request_timeout)
-        lag.start()
-    # every join request of this round comes after this: a follower finds us through our declaration in the DHT,
-    # under this round's key, made once our step begins. A loop late before then (while this peer trained) kept
-    # no request of this round waiting: it does not count (once the watch runs, see LoopLag.calm)
-    matchmaking._round_began = time.monotonic()
-    if size is not None and not getattr(matchmaking, "_assembles_after_grace", False):
-        assemble = matchmaking.leader_assemble_group
-
-        async def assemble_after_grace():
-            if lag.calm(since=matchmaking._round_began):
-                return await assemble()
-            await asyncio.sleep(ASSEMBLY_GRACE)
-            if matchmaking.assembled_group.done():  # cancelled meanwhile (the step was): nothing to form
-                return matchmaking.assembled_group.result()
-            return await assemble()
-
-        matchmaking.leader_assemble_group = assemble_after_grace
-        matchmaking._assembles_after_grace = True
+    averager._matchmaking.target_group_size = size
 
 
-ASSEMBLY_GRACE = 0.15
-"""Seconds a leader waits between "the group is complete" and forming it (see ``set_target_group_size``)."""
-
-
-class LoopLag:
-    """How late the running event loop has woken a task that sleeps ``period`` seconds, over the last ``window``
-    seconds: a loop that is on time answers a message as soon as it arrives. ``watched``: how long the watch must
-    have run before it can call the loop calm (default: a whole window)."""
-
-    def __init__(self, period: float = 0.05, window: float = 5.0, limit: float = 0.05, watched: float | None = None):
-        self.period, self.window, self.limit = period, window, limit
-        self.watched = window if watched is None else min(watched, window)
-        self.since: float | None = None  # time.monotonic() the watch began
-        self.tick = 0.0  # time.monotonic() of the last wake-up
-        self.late: list[float] = []  # time.monotonic() of the wake-ups over ``limit`` late, in the window
-
-    def start(self) -> None:
-        """Starts watching the running loop (the task ends with the loop)."""
-        asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
-        self.since = self.tick = time.monotonic()
-        while True:
-            await asyncio.sleep(self.period)
-            now = time.monotonic()
-            if now - self.tick - self.period > self.limit:
-                self.late.append(now)
-            self.late = [t for t in self.late if now - t <= self.window]
-            self.tick = now
-
-    def calm(self, since: float | None = None) -> bool:
-        """Watched for ``watched`` seconds, and never ``limit`` seconds late in the last window (a slow tick still
-        under way counts: a loop blocked right now has not woken the watcher). ``since`` (a ``time.monotonic()``
-        the watch had already begun by): only late wake-ups from then on count, and it need not have run
-        ``watched``."""
-        now = time.monotonic()
-        if self.since is None or now - self.tick > self.period + self.limit:
-            return False
-        start = now - self.window
-        if since is not None and self.since <= since:
-            start = max(start, since)
-        elif now - self.since < self.watched:
-            return False
-        return not any(t > start for t in self.late)
+def matchmaking_of(averager: DecentralizedAverager) -> Matchmaking:
+    """The averager process's ``Matchmaking`` (``_matchmaking``, made when that process starts), whose public
+    ``leader_assemble_group``, ``assembled_group`` and ``request_timeout`` ``assembly_grace.py`` uses."""
+    return averager._matchmaking
 
 
 def patch_join_requests(averager: DecentralizedAverager, refuses: Callable[[PeerID], bool]) -> None:

@@ -5,11 +5,13 @@ It lives in its own process (hivemind forks it) and adds to hivemind's matchmaki
 - **exact results**: its groups run ``allreduce.ExactAllReduceRunner`` (averages instead of deltas, our
   codecs, byte counts, checked numbers), over a split of the vector that no member can bend by declaring a
   huge bandwidth (``_fair_fractions``);
-- **who takes part**: a group member or a state download must pass admission (``swarm/admission.py``: swarm
-  secret, allowlist) and must not be banned (``robust_aggregation.BanList``: peers whose contributions were
-  refused repeatedly); matchmaking skips leaders we refuse. Offenses cross to the host process through a queue;
+- **who takes part** (``membership.py``): a group member or a state download must pass admission
+  (``swarm/admission.py``: swarm secret, allowlist) and must not be banned (``robust_aggregation.BanList``: peers
+  whose contributions were refused repeatedly); matchmaking skips leaders we refuse. Offenses cross to the host
+  process through a queue;
 - **complete groups start at once**: told how many peers the round expects (``expect_group``), a group we lead
-  begins its all-reduce as soon as they are all in, not at the end of the matchmaking window;
+  begins its all-reduce as soon as they are all in, not at the end of the matchmaking window (after a grace if
+  a follower may be gone: ``assembly_grace.py``);
 - **state serving**: it serves this peer's state and downloads the state of one chosen donor (``state_sync.py``);
 - **member news** (``member_news.py``): "still there?" answered, "the round's last peer is ready" sent and heard.
 
@@ -41,16 +43,16 @@ from ..swarm.admission import Admission
 from ..swarm.p2pd_internals import until_the_caller_hangs_up
 from ..training.outer_optimizer import flat_tensors
 from . import hivemind_internals as internals
-from . import round_log, state_transfer
+from . import assembly_grace, round_log, state_transfer
 from .allreduce import FAILED_VALUES, TRANSFER_US, ExactAllReduceRunner
-from .group_bans import left_out
 from .member_news import MemberNews
+from .membership import Membership
 from .robust_aggregation import BanList, Limits, capped_bandwidths
 
 logger = logging.getLogger(__name__)
 
 
-class PseudoGradientAverager(MemberNews, DecentralizedAverager):
+class PseudoGradientAverager(DecentralizedAverager):
     """hivemind's averager with exact (non-delta) results, byte counters, admission and bans.
 
     It also serves and fetches the peer's state (see ``state_sync.py``): ``state_provider`` is called in
@@ -88,10 +90,14 @@ class PseudoGradientAverager(MemberNews, DecentralizedAverager):
         self.replayed_at = torch.zeros(1, dtype=torch.float64).share_memory_()
         """``time.time()`` of the last download of logged rounds we served, shared with the host."""
         self.traffic = torch.zeros(5, dtype=torch.int64).share_memory_()
-        self.nudged = mp.Event()  # (``MemberNews``)
+        self.news = MemberNews()
+        """"The round's last peer is ready", heard and told (``member_news.py``)."""
         self.state_provider = None
-        self.limits, self.admission, self.progress_key, self.faults = limits, admission, progress_key, faults
+        self.limits = limits
+        self.faults = faults
         self.bans = bans if bans is not None else BanList(ban_after=2, ban_seconds=600.0)
+        self.members = Membership(admission, self.bans, progress_key, self.serializer)
+        """Who may be in our groups, lead the groups we join and download our state (``membership.py``)."""
         self.offenses = mp.Queue()
         """(peer id, kind, detail, banned now) for every refused contribution, read by the host process."""
         self.allreduces = 0
@@ -113,55 +119,24 @@ class PseudoGradientAverager(MemberNews, DecentralizedAverager):
                        + (f"; banned for {self.bans.ban_seconds:g}s" if banned_now else ""))
         self.offenses.put((peer, kind, detail, banned_now))
 
-    def _refusal(self, peer_id: PeerID, gathered: bytes | None) -> tuple[str, str]:
-        """(kind, why) if ``peer_id``, showing the data it gathers with a group, may not be in our group."""
-        peer = peer_id.to_base58()
-        if self.bans.is_banned(peer):
-            return "banned", f"peer {peer} is banned for repeated offenses"
-        proof = None
-        if self.admission.secret is not None:
-            try:
-                proof = self.serializer.loads(self.serializer.loads(gathered)[2]).get("proof", b"")
-            except Exception:
-                proof = b""
-        why = self.admission.refuses(peer, proof)
-        return ("unadmitted", why) if why else ("", "")
-
     def _refuses_leader(self, leader: PeerID) -> bool:
-        peer = leader.to_base58()
-        return self.bans.is_banned(peer) or bool(self.admission.refuses(peer, None))
+        return self.members.refuses(leader.to_base58())
 
     async def _step(self, **kwargs):
         # hivemind's matchmaking asks every leader it finds in the DHT; a banned or unadmitted one would take
         # us into its group and we would then refuse to average (the round lost). Ask the next leader instead.
         internals.patch_join_requests(self, self._refuses_leader)
         internals.reject_stale_join_requests(self, lambda context: self._join_arrivals.get(id(context)))
-        internals.leave_out_before_assembly(self, self._banned_by_members)
+        internals.leave_out_before_assembly(self, lambda requests: self.members.left_out(requests, self.peer_id))
         self._step_control = kwargs.get("step")  # (see _refuse_group)
         return await super()._step(**kwargs)
-
-    def _banned_by_members(self, requests: dict) -> list[PeerID]:
-        """Followers to leave out of the group we are about to form: those the members ban (``group_bans.py``)."""
-        bans = {self.peer_id: self.bans.banned()}
-        for peer, request in requests.items():
-            try:
-                bans[peer] = set(self.serializer.loads(self.serializer.loads(request.gather)[2]).get("bans", []))
-            except Exception:  # not our gather format: _refuse_group deals with such a member
-                bans[peer] = set()
-        names = {peer: peer.to_base58() for peer in bans}
-        out = left_out({names[p]: banned for p, banned in bans.items()}, leader=names[self.peer_id])
-        if out:
-            logger.info(f"leaving {len(out)} peer(s) out of the group we form, banned by its members: "
-                        f"{', '.join(p[-8:] for p in out)}")
-        by_name = {name: peer for peer, name in names.items()}
-        return [by_name[name] for name in out]
 
     def expect_group(self, size: int | None, group_bits: str | None = None, nudge: list[str] = ()) -> None:
         """From the host process, before a step: a group we lead starts its all-reduce once ``size`` members (us
         included) are in, not at the step's scheduled time; ``None`` gathers until then (hivemind's way).
         ``group_bits``: also the matchmaking key's bits (hivemind's ``set_group_bits``), in the same message: one
         trip through the pipe per round instead of two. ``nudge``: peers (base58) to tell, in the background, that
-        the round's last peer is ready (``MemberNews.nudge``).
+        the round's last peer is ready (``MemberNews.tell``).
 
         The scheduled time stays the upper bound: a group still short of ``size`` then starts with whoever came
         (``min_group_size`` at least). A group that reached ``size`` turns later peers away (hivemind's
@@ -177,18 +152,23 @@ class PseudoGradientAverager(MemberNews, DecentralizedAverager):
     async def _expect_group(self, size: int | None, group_bits: str | None, nudge: list[str],
                             future: MPFuture) -> None:
         try:
-            self.nudge(nudge)
+            self.news.tell(nudge, self._stub_for)
             if group_bits is not None:
                 await internals.set_group_bits_here(self, group_bits)
             internals.set_target_group_size(self, size)
+            assembly_grace.round_begins(self, size)
             future.set_result(None)
         except BaseException as e:
             if not future.done():
                 future.set_exception(e)
 
+    def _stub_for(self, peer: PeerID):
+        """In the averager process: our stub for ``peer``'s averager (the same class, the same prefix)."""
+        return type(self).get_stub(internals.p2p_of(self), peer, namespace=self.prefix)
+
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
                              context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        kind, why = self._refusal(context.remote_id, request.gather)
+        kind, why = self.members.refusal(context.remote_id, request.gather)
         if why:
             if kind != "banned":  # a banned peer knocking again is not a new offense
                 self._report(context.remote_id, kind, why)
@@ -210,6 +190,19 @@ class PseudoGradientAverager(MemberNews, DecentralizedAverager):
 
     async def _report_from_host(self, peer: str, kind: str, detail: str) -> None:
         self._report(PeerID.from_base58(peer), kind, detail)
+
+    # --- member news (``member_news.py``)
+
+    async def rpc_still_there(self, request: averaging_pb2.DownloadRequest,
+                              context: P2PContext) -> averaging_pb2.DownloadRequest:
+        """Answers at once: a member of our all-reduce asks before it drops us as silent (``member_silence.py``)."""
+        return averaging_pb2.DownloadRequest()
+
+    async def rpc_round_ready(self, request: averaging_pb2.DownloadRequest,
+                              context: P2PContext) -> averaging_pb2.DownloadRequest:
+        """Another peer found every peer of its round ready: our gate should read the records now."""
+        self.news.heard()
+        return averaging_pb2.DownloadRequest()
 
     # --- state serving
 
@@ -236,7 +229,7 @@ class PseudoGradientAverager(MemberNews, DecentralizedAverager):
                                   context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
         """The rounds we logged after the state the request names (``averaging/round_log.py``): the updates that take a
         peer one or a few rounds behind to our state, instead of the whole state."""
-        if await self._refuses_download(context) or not self.allow_state_sharing:
+        if await self.members.refuses_download(context.remote_id.to_base58(), self.dht) or not self.allow_state_sharing:
             return
         async for message in round_log.serve(self, request.metadata):
             yield message
@@ -244,20 +237,8 @@ class PseudoGradientAverager(MemberNews, DecentralizedAverager):
     async def _keep_round(self, epoch: int, state_hash: str, update: list | None, keep: int) -> None:
         round_log.keep(self, epoch, state_hash, update, keep)
 
-    async def _refuses_download(self, context: P2PContext) -> bool:
-        peer = context.remote_id.to_base58()
-        why = "banned" if self.bans.is_banned(peer) else self.admission.refuses(peer, None)
-        if not why and self.admission.secret is not None and self.progress_key:
-            found = await self.dht.get(self.progress_key, latest=True, return_future=True)
-            entries = found.value.values() if found is not None and isinstance(found.value, dict) else []
-            holders = {entry.value.get("peer_id") for entry in entries if isinstance(entry.value, dict)}
-            why = "" if peer in holders else f"peer {peer} has no progress record in the swarm's DHT"
-        if why:
-            logger.warning(f"refused to serve our state to {peer}: {why}")
-        return bool(why)
-
     async def _serve_state(self, context: P2PContext, start: int) -> AsyncIterator[averaging_pb2.DownloadData]:
-        if await self._refuses_download(context):
+        if await self.members.refuses_download(context.remote_id.to_base58(), self.dht):
             return
         await self.faults.delay_serving()  # fault injection: a slow donor
         if not self.allow_state_sharing:
@@ -289,7 +270,7 @@ class PseudoGradientAverager(MemberNews, DecentralizedAverager):
     async def _download_state_from(self, donor: str, timeout: float, future: MPFuture, **resume) -> None:
         # runs in the averager process; ``timeout`` bounds the wait for each chunk, not the whole download
         try:
-            if self.bans.is_banned(donor) or self.admission.refuses(donor, None):
+            if self.members.refuses(donor):
                 raise RuntimeError(f"donor {donor} is banned or not admitted")
             future.set_result(await state_transfer.download(self, donor, timeout, **resume))
         except BaseException as e:
@@ -308,7 +289,7 @@ class PseudoGradientAverager(MemberNews, DecentralizedAverager):
             modes.append(AveragingMode(mode))
             try:
                 relayed.append(self.serializer.loads(user).get("relayed") is True)
-            except Exception:  # not our gather format: _refusal deals with such a member
+            except Exception:  # not our gather format: Membership.refusal deals with such a member
                 relayed.append(False)
         reducing = [m != AveragingMode.CLIENT for m in modes]
         if any(r and not x for r, x in zip(reducing, relayed)):
@@ -320,7 +301,7 @@ class PseudoGradientAverager(MemberNews, DecentralizedAverager):
         # a leader let in a peer we refuse (or is one; leaders leave out banned peers, see group_bans.py, but one
         # may not): we average with nobody in this group, and say so at once, so that nobody waits for us
         for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
-            kind, why = self._refusal(peer_id, gathered) if peer_id != self.peer_id else ("", "")
+            kind, why = self.members.refusal(peer_id, gathered) if peer_id != self.peer_id else ("", "")
             if why:
                 if kind != "banned":
                     self._report(peer_id, kind, why)
@@ -340,8 +321,7 @@ class PseudoGradientAverager(MemberNews, DecentralizedAverager):
         """Tell ``peer_id`` we send no parts in group ``group_id``: hivemind's reducer drops a sender whose stream
         opens with anything but a part (here CANCELLED), instead of waiting a sender timeout for it."""
         try:
-            stub = self.get_stub(internals.p2p_of(self), peer_id, namespace=self.prefix)
-            replies = await stub.rpc_aggregate_part(
+            replies = await self._stub_for(peer_id).rpc_aggregate_part(
                 as_aiter(averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED, group_id=group_id)))
             await asyncio.wait_for(anext(replies), timeout=5.0)
         except Exception as e:  # gone, or done already: nothing is waiting for us there
