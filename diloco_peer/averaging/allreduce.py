@@ -7,8 +7,9 @@
    member of a group ends the round with the very same bytes: DiLoCo replicas stay bit-identical.
 2. **Our codecs on the wire.** bf16, per-block int8 and int4 (``compression.py``) travel under codes
    hivemind does not know, so the runner decodes every message with ``compression.deserialize``.
-3. **Traffic accounting.** The payload bytes of every all-reduce message sent and received are counted
-   in a small shared-memory tensor (slots ``SENT``, ``RECEIVED``, ...) that the daemon reads after each round.
+3. **Traffic accounting** (``traffic.py``). The payload bytes of every all-reduce message sent and received
+   are counted in a small shared-memory tensor (slots ``SENT``, ``RECEIVED``, ...) that the daemon reads after
+   each round.
 4. **Checked numbers** (``robust_aggregation.py``): every part a reducer receives and every average a
    member gets back is checked (shape, finite, weight, norm; direction in robust mode) before use; an
    offender is dropped from the round and reported through ``on_offense``.
@@ -43,20 +44,10 @@ from . import hivemind_internals as internals
 from .compression import deserialize
 from .member_silence import SilenceWatch
 from .robust_aggregation import BadContribution, CheckedPartReducer, Limits, check_average
+from .traffic import RECEIVED, RELAYED, SENT, CountingStub
 
-SENT, RECEIVED, FAILED_VALUES, TRANSFER_US, RELAYED = 0, 1, 2, 3, 4
-GONE_WITHIN = 3.0  # seconds: how long a reducer we lost may keep its connection and still count as gone
-
-
-class _CountingStub:
-    """Wraps a peer's averaging stub so that the all-reduce messages we exchange with it are counted."""
-
-    def __init__(self, stub, runner: ExactAllReduceRunner, peer: PeerID):
-        self._stub, self._runner, self._peer = stub, runner, peer
-
-    async def rpc_aggregate_part(self, inputs):
-        stream = await self._stub.rpc_aggregate_part(self._runner._count(inputs, SENT, self._peer))
-        return self._runner._count(stream, RECEIVED, self._peer)
+GONE_WITHIN = 3.0
+"""Seconds a reducer we lost may keep its connection and still count as gone (``_drop_if_gone``)."""
 
 
 class ExactAllReduceRunner(AllReduceRunner):
@@ -80,8 +71,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._outputs = _flat_twin(kwargs["tensors"], outputs)
         self._parts: dict[int, list[torch.Tensor]] = {}  # peer index -> our input parts it reduces (their places)
         self._relayed = relayed
-        self._faults, self._allreduce = faults, allreduce
-        self._limits, self._on_offense = limits, on_offense
+        self._faults = faults
+        self._allreduce = allreduce
+        self._limits = limits
+        self._on_offense = on_offense
         own = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
         # hivemind's own reducer is replaced unused: marked finished, or its finalize (when garbage-collected)
         # warns "Reducer: received 0.0% of input tensors" in every round we reduce in
@@ -141,7 +134,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             yield message
 
     def _get_peer_stub(self, peer):
-        return _CountingStub(super()._get_peer_stub(peer), self, peer)
+        return CountingStub(super()._get_peer_stub(peer), self._count, peer)
 
     async def run(self):
         self._silence.start()  # until ``wait_for_replies`` ends: a silent member may hold our replies after the run

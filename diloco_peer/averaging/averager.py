@@ -40,11 +40,11 @@ from ..config.faults import NO_FAULTS, Faults
 from ..lifecycle import hivemind_calls
 from ..swarm.admission import Admission
 from ..training.outer_optimizer import flat_tensors, release_pages
-from .allreduce import FAILED_VALUES, RECEIVED, RELAYED, SENT, TRANSFER_US
 from .compression import ErrorFeedback, WireCompression, get_codec
 from .hivemind_internals import keeping_our_sigint
 from .pseudo_gradient_averager import PseudoGradientAverager
 from .robust_aggregation import BanList, Limits, vector_norm
+from .traffic import FAILED_VALUES, RECEIVED, RELAYED, SENT, TRANSFER_US
 
 
 def wire_compression(name: str) -> CompressionBase:

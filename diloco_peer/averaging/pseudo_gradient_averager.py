@@ -43,8 +43,8 @@ from ..swarm.admission import Admission
 from ..swarm.p2pd_internals import until_the_caller_hangs_up
 from ..training.outer_optimizer import flat_tensors
 from . import hivemind_internals as internals
-from . import assembly_grace, round_log, state_transfer
-from .allreduce import FAILED_VALUES, TRANSFER_US, ExactAllReduceRunner
+from . import assembly_grace, round_log, state_transfer, traffic
+from .allreduce import ExactAllReduceRunner
 from .member_news import MemberNews
 from .membership import Membership
 from .robust_aggregation import BanList, Limits, capped_bandwidths
@@ -89,7 +89,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         behind (``averaging/round_log.py``); the host sends them."""
         self.replayed_at = torch.zeros(1, dtype=torch.float64).share_memory_()
         """``time.time()`` of the last download of logged rounds we served, shared with the host."""
-        self.traffic = torch.zeros(5, dtype=torch.int64).share_memory_()
+        self.traffic = traffic.counters()
+        """What our all-reduces cost (``traffic.py``), shared with the host."""
         self.news = MemberNews()
         """"The round's last peer is ready", heard and told (``member_news.py``)."""
         self.state_provider = None
@@ -374,7 +375,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             runner.settle_disputes()
         # by now every sender has started streaming to us (our last part needed all of theirs, or it went silent)
         await runner.wait_for_replies(timeout=runner.reducer_timeout or 5.0)
-        self.traffic[FAILED_VALUES] += runner.tensor_part_container.failed_size
-        self.traffic[TRANSFER_US] += int((time.perf_counter() - started) * 1e6)
+        self.traffic[traffic.FAILED_VALUES] += runner.tensor_part_container.failed_size
+        self.traffic[traffic.TRANSFER_US] += int((time.perf_counter() - started) * 1e6)
         self.last_updated = get_dht_time()
         internals.mark_state_updated(self)
