@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from diloco_peer.tools.local_swarm import LocalSwarm
+from diloco_peer.tools.local_swarm import diloco_command as diloco_cmd  # noqa: F401 (the tests import it from here)
 
 # tests are small; several peers share two cores
 FAST = [
@@ -26,10 +27,6 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if {"local_swarm", "dhts"} & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
-
-
-def diloco_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "diloco_peer", *args]
 
 
 def p2pd_pids() -> set[int]:
@@ -71,64 +68,10 @@ def wait_for_line(path: Path, prefix: str, proc: subprocess.Popen, timeout: floa
     raise AssertionError(f"no line starting with {prefix!r} in {path} after {timeout}s")
 
 
-class LocalSwarm:
-    """Starts a bootstrap node and peers as real subprocesses, each in its own process group."""
-
-    def __init__(self, workdir: Path):
-        self.workdir = workdir
-        self.procs: list[subprocess.Popen] = []
-        self.address = ""
-
-    def spawn(self, args: list[str], log_name: str, env: dict | None = None, netns: str = "") -> subprocess.Popen:
-        """``diloco-peer args`` (inside network namespace ``netns``, if given: see test_nat.py)."""
-        return self.spawn_external((["ip", "netns", "exec", netns] if netns else []) + diloco_cmd(*args), log_name, env)
-
-    def spawn_external(self, cmd: list[str], log_name: str, env: dict | None = None) -> subprocess.Popen:
-        """Any program (e.g. a real Prometheus), reaped with the swarm."""
-        with (self.workdir / log_name).open("w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    cwd=self.workdir, env={**os.environ, **(env or {})})
-        self.procs.append(proc)
-        return proc
-
-    def start_bootstrap(self, *extra: str, listen: str = "/ip4/127.0.0.1/tcp/0", netns: str = "",
-                        log_name: str = "bootstrap.log") -> str:
-        proc = self.spawn(["bootstrap", "--listen", listen, "--report-every", "2", *extra], log_name, netns=netns)
-        address = wait_for_line(self.workdir / log_name, "diloco-peer join ", proc).split()[2]
-        self.address = self.address or address
-        return address
-
-    def start_peer(self, name: str, *sets: str, env: dict | None = None, netns: str = "",
-                   bootstraps: list[str] = (), args: list[str] = (), attacks: str = "") -> subprocess.Popen:
-        """A peer; with ``attacks``, a forked client that runs them (``tests/attacker.py``, e.g. "sign_flip:9")."""
-        cmd = ["join", *(bootstraps or [self.address]), "--name", name, *args]
-        for item in [*FAST, f"run.log_dir={json.dumps(str(self.workdir))}", *sets]:
-            cmd += ["--set", item]
-        if attacks:
-            attacker = [sys.executable, str(Path(__file__).with_name("attacker.py")), attacks, "--"]
-            return self.spawn_external(attacker + cmd, f"{name}.log", env)
-        return self.spawn(cmd, f"{name}.log", env, netns=netns)
-
-    def events(self, name: str) -> list[dict]:
-        from diloco_peer.observe.events import read_events
-
-        return list(read_events(self.workdir / f"{name}.jsonl"))
-
-    def reap(self) -> None:
-        for proc in self.procs:  # as a user's ``kill PID`` (a signal to the whole group: test_lifecycle.py)
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            try:  # the whole group: p2pd and averager children included
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+def forked_client(attacks: str) -> list[str]:
+    """A forked client that runs ``attacks`` (``tests/attacker.py``, e.g. "sign_flip:9"), as a peer's ``program``:
+    ``local_swarm.start_peer("evil", ..., program=forked_client("sign_flip:9"))``."""
+    return [sys.executable, str(Path(__file__).with_name("attacker.py")), attacks, "--"]
 
 
 def wait_until(condition, what: str, timeout: float = 90.0):
@@ -183,8 +126,7 @@ def dhts():
 
 @pytest.fixture
 def local_swarm(tmp_path):
-    swarm = LocalSwarm(tmp_path)
-    try:
+    """A ``LocalSwarm`` in the test's directory: its peers with the ``FAST`` overrides, its bootstrap nodes reporting
+    every 2 s; every process it started is reaped after the test, whatever happened."""
+    with LocalSwarm(tmp_path, sets=FAST, bootstrap_args=["--report-every", "2"]) as swarm:
         yield swarm
-    finally:
-        swarm.reap()

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import FAST, wait_until
+from conftest import FAST, forked_client, wait_until
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import SchemaValidator
@@ -447,7 +447,7 @@ def test_a_lie_present_from_the_first_second_neither_freezes_the_swarm_nor_misle
     # for the others), which has nothing to do with the lie
     sets = ["averaging.min_peers=2", f"run.max_rounds={rounds_run}", "data.num_shards=3",
             "averaging.request_timeout=2.0", "averaging.matchmaking_time=3.0"]
-    liar = local_swarm.start_peer("liar", *sets, "data.shard=0", attacks="lie_from_start")
+    liar = local_swarm.start_peer("liar", *sets, "data.shard=0", program=forked_client("lie_from_start"))
     run_id = load_config(None, FAST).run.run_id
     watcher = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[local_swarm.address])
     try:

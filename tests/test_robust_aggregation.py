@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from conftest import FAST
+from conftest import FAST, forked_client
 from hivemind.averaging.load_balancing import load_balance_peers
 
 from diloco_peer.averaging.allreduce import ExactAllReduceRunner
@@ -381,7 +381,8 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
     rounds = 4
     sets = ["averaging.min_peers=4", f"run.max_rounds={rounds}", "data.num_shards=3"]
     local_swarm.start_bootstrap()
-    local_swarm.start_peer("evil", *sets, "data.shard=0", attacks="sign_flip:9")  # it trains on p0's shard
+    # the attacker trains on p0's shard
+    local_swarm.start_peer("evil", *sets, "data.shard=0", program=forked_client("sign_flip:9"))
     honest = {f"p{i}": local_swarm.start_peer(f"p{i}", *sets, f"data.shard={i}",
                                               *(["averaging.ban_after=1"] if i == 0 else []))
               for i in range(3)}
