@@ -3,7 +3,7 @@
     diloco-peer join /ip4/127.0.0.1/tcp/31337/p2p/<peer-id> --config tiny-cpu
 
 The rounds themselves (train -> gate -> average -> check -> apply, blocking or overlapped, and the state
-syncs that heal a peer that fell off the swarm's state) are ``outer_round.py``; this module starts and stops
+syncs that heal a peer that fell off the swarm's state) are ``rounds/``; this module starts and stops
 everything around them. Checkpoints are written in the background after every ``checkpoint.every_rounds``
 rounds and when leaving; ``join`` resumes from the newest one.
 
@@ -35,8 +35,8 @@ from .lifecycle.reaper import Reaper, kill_leftovers, new_children, remove_orpha
 from .lifecycle.shutdown import Shutdown
 from .observe.events import EventLog
 from .observe.metrics import MetricsServer, PeerMetrics
-from .outer_round import OuterRounds
-from .round_record import RoundRecord
+from .rounds.outer_rounds import OuterRounds
+from .rounds.record import RoundRecord
 from .state.checkpoint import CheckpointManager, capture, restore
 from .state.state_sync import StateSync
 from .swarm.admission import load_admission
@@ -76,7 +76,6 @@ class PeerDaemon:
         self.metrics = PeerMetrics()
         """Fed by the event log; served on ``metrics.port`` when set."""
         self._saved_epoch = -1  # the epoch of the last periodic checkpoint
-        self.overlapped = cfg.outer.overlap != "blocking"
         self.averager: RoundAverager | None = None
         self.progress: SwarmProgress | None = None
         self.rounds: OuterRounds | None = None
@@ -194,9 +193,9 @@ class PeerDaemon:
             logger.warning("averaging.aggregation=mean: any update under averaging.max_update_ratio (10x ours) is "
                            "averaged in (a forked client sending -3x its pseudo-gradient is never refused); for a "
                            "swarm open to strangers use --set averaging.aggregation=robust (SECURITY.md)")
-        self.rounds = OuterRounds(cfg, self.name, trainer=trainer, outer=outer, averager=averager, progress=progress,
-                                  sync=sync, events=events, compute=self._compute, should_stop=lambda: self.stopping,
-                                  tty=self.tty)
+        self.rounds = OuterRounds(cfg.outer, cfg.averaging, cfg.run.max_rounds, self.name, trainer=trainer,
+                                  outer=outer, averager=averager, progress=progress, sync=sync, events=events,
+                                  compute=self._compute, should_stop=lambda: self.stopping, tty=self.tty)
         return self.rounds
 
     async def _build(self, dht, shard: int, reach: Reach, faults: Faults) -> tuple[RoundAverager, Trainer,
@@ -248,8 +247,9 @@ class PeerDaemon:
             # unless the periodic checkpoint of this very boundary is already written (or being written)
             if self._saved_epoch != self.outer.epoch:
                 state = capture(self.trainer, self.outer, cfg.fingerprint())
-                # resume at the start of the round that follows the saved epoch (overlapped: one later)
-                state.inner_step = (self.outer.epoch + self.overlapped) * cfg.outer.inner_steps
+                if self.rounds is not None:
+                    # resume at the start of the round after the saved epoch (overlapped: the one after that)
+                    state.inner_step = (self.outer.epoch + self.rounds.schedule.lag) * cfg.outer.inner_steps
                 checkpoints.save(state, self._on_checkpoint)
         if checkpoints is not None:
             checkpoints.close()  # waits for the writes in flight

@@ -1,6 +1,6 @@
 """The package's layout is its architecture: subpackages in layers, each importing only the ones below it.
 
-    config < lifecycle < training < swarm < averaging < state < observe < tools < the daemon, the rounds and the CLI
+    config < lifecycle < training < swarm < averaging < state < observe < rounds < tools < the daemon and the CLI
 
 A module may import its own subpackage and any lower one; nothing imports a higher one, the imports have
 no cycles, and no module of a running peer imports ``tools`` (the demo, simulator and test bed). These
@@ -17,8 +17,8 @@ import pytest
 import diloco_peer
 
 PACKAGE = Path(diloco_peer.__file__).parent
-LAYERS = ["config", "lifecycle", "training", "swarm", "averaging", "state", "observe", "tools"]
-TOP = len(LAYERS)  # the top-level modules: daemon, outer_round, bootstrap_node, cli, commands, __main__
+LAYERS = ["config", "lifecycle", "training", "swarm", "averaging", "state", "observe", "rounds", "tools"]
+TOP = len(LAYERS)  # the top-level modules: daemon, bootstrap_node, cli, commands, __main__
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 

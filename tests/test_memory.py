@@ -12,13 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_checkpoint import SETS, _peer, _state_hash
-from test_state_sync import peers  # noqa: F401 (a fixture)
+from helpers import TRAIN_SETS, state_hash, trainer_and_outer
 
 from diloco_peer.averaging import state_transfer
 from diloco_peer.config import CheckpointConfig, load_config
-from diloco_peer.config.faults import NO_FAULTS
-from diloco_peer.outer_round import OuterRounds
+from diloco_peer.rounds.exchange import RoundExchange
 from diloco_peer.state import checkpoint
 from diloco_peer.state.checkpoint import CheckpointManager, capture, restore
 from diloco_peer.training.outer_optimizer import flat_tensors, release_pages
@@ -38,10 +36,10 @@ def _round(trainer, outer) -> None:
 
 
 def test_a_checkpoint_holds_the_state_at_capture_while_training_goes_on(tmp_path):
-    cfg = load_config(None, SETS)
-    trainer, outer = _peer(cfg)
+    cfg = load_config(None, TRAIN_SETS)
+    trainer, outer = trainer_and_outer(cfg)
     _round(trainer, outer)
-    captured = _state_hash(trainer, outer)
+    captured = state_hash(trainer, outer)
     manager = CheckpointManager(CheckpointConfig(dir=str(tmp_path)), "alice", cfg.fingerprint())
     _busy_writer(manager, 0.5)
     state = capture(trainer, outer, cfg.fingerprint())
@@ -51,18 +49,18 @@ def test_a_checkpoint_holds_the_state_at_capture_while_training_goes_on(tmp_path
     assert state.snapshot.waited > 0.3
     _round(trainer, outer)
     written.result()
-    assert _state_hash(trainer, outer) != captured
+    assert state_hash(trainer, outer) != captured
 
-    fresh_trainer, fresh_outer = _peer(cfg)
+    fresh_trainer, fresh_outer = trainer_and_outer(cfg)
     loaded = manager.load_latest()
     assert loaded.mapped  # memory-mapped: read as it is copied in, page by page given back
     restore(loaded, fresh_trainer, fresh_outer)
-    assert _state_hash(fresh_trainer, fresh_outer) == captured
+    assert state_hash(fresh_trainer, fresh_outer) == captured
 
 
 def test_training_that_cannot_wait_drops_the_checkpoint_and_keeps_the_last(tmp_path, monkeypatch):
-    cfg = load_config(None, SETS)
-    trainer, outer = _peer(cfg)
+    cfg = load_config(None, TRAIN_SETS)
+    trainer, outer = trainer_and_outer(cfg)
     manager = CheckpointManager(CheckpointConfig(dir=str(tmp_path), keep=2), "bob", cfg.fingerprint())
     outer.epoch = 1
     manager.save(capture(trainer, outer, cfg.fingerprint())).result()
@@ -102,7 +100,7 @@ def test_round_buffers_give_their_memory_back():
     assert not release_pages([torch.ones(4)])  # private memory is never given back behind the allocator's back
 
 
-def test_a_failed_rounds_average_gives_its_memory_back_and_our_pseudo_gradient_stays(peers):  # noqa: F811
+def test_a_failed_rounds_average_gives_its_memory_back_and_our_pseudo_gradient_stays(peers):
     """After a failed round a peer downloads the swarm's state, or (none to be had) steps alone with its own
     pseudo-gradient: the average is never read again, and its buffer goes back before the download."""
     averager = peers().averager
@@ -118,8 +116,8 @@ def test_a_failed_rounds_average_gives_its_memory_back_and_our_pseudo_gradient_s
 
 
 def test_a_pseudo_gradient_written_in_place_is_the_same():
-    cfg = load_config(None, SETS)
-    trainer, outer = _peer(cfg)
+    cfg = load_config(None, TRAIN_SETS)
+    trainer, outer = trainer_and_outer(cfg)
     trainer.train_steps(2)
     expected = outer.pseudo_gradient()
     outer.pseudo_gradient_buffers = flat_tensors([p.shape for p in outer.params], shared=True)
@@ -133,8 +131,8 @@ def test_a_solo_step_takes_our_own_pseudo_gradient_even_where_the_average_was_wr
     """A GPU peer's blocking round writes the average over the pseudo-gradient it sent (``averages_in_place``); a
     round that then fails, or whose average it refuses, steps alone with its pseudo-gradient computed again from
     the replica, untouched until the outer step: bit for bit the one it sent."""
-    cfg = load_config(None, SETS)
-    trainer, outer = _peer(cfg)
+    cfg = load_config(None, TRAIN_SETS)
+    trainer, outer = trainer_and_outer(cfg)
     trainer.train_steps(2)
     outer.pseudo_gradient_buffers = flat_tensors([p.shape for p in outer.params], shared=True)
     sent = outer.pseudo_gradient()
@@ -142,12 +140,12 @@ def test_a_solo_step_takes_our_own_pseudo_gradient_even_where_the_average_was_wr
     for t in sent:
         t.fill_(float("nan"))  # the average (here a refused one) arrived in the same buffer
     compute = ComputeThread(1)
-    rounds = OuterRounds(cfg, "p", trainer=trainer, outer=outer, averager=SimpleNamespace(in_place=in_place,
-                         faults=NO_FAULTS), progress=None, sync=None, events=None, compute=compute,
-                         should_stop=lambda: False)
-    rounds.sent = sent
+    exchange = RoundExchange(cfg.averaging, 0, None, "p", outer=outer, averager=SimpleNamespace(in_place=in_place),
+                             progress=None, sync=None, healing=None, events=None, compute=compute,
+                             should_stop=lambda: False)
+    exchange.sent = sent
     try:
-        own = asyncio.run(rounds.own_pseudo_gradient())
+        own = asyncio.run(exchange.own_pseudo_gradient())
     finally:
         compute.close()
     if in_place:
@@ -160,7 +158,7 @@ def test_a_solo_step_takes_our_own_pseudo_gradient_even_where_the_average_was_wr
                                                        (0, True, False)],
                          ids=["before-the-first-tensor", "after-one-tensor", "before-the-first-tensor-to-a-file",
                               "momentum-off-the-host-to-a-file"])
-def test_a_donor_stepping_during_a_download_serves_the_state_it_started_with(peers, sent_first, spill, shared,  # noqa: F811
+def test_a_donor_stepping_during_a_download_serves_the_state_it_started_with(peers, sent_first, spill, shared,
                                                                              tmp_path, monkeypatch):
     """The copy of the unread rest is in memory, or (a state over ``serve_copy_in_memory_mb``) in a file read back
     a tensor at a time, removed when the download ends. A momentum the averager process cannot read where it lies
@@ -217,7 +215,7 @@ def test_a_donor_stepping_during_a_download_serves_the_state_it_started_with(pee
         assert not any(s.path.exists() for s in spilled), "the file of the download's copy outlived the download"
 
 
-def test_a_long_state_download_says_how_far_it_is(peers, monkeypatch, capfd):  # noqa: F811
+def test_a_long_state_download_says_how_far_it_is(peers, monkeypatch, capfd):
     monkeypatch.setattr(state_transfer, "PROGRESS_EVERY", 0.0)  # before the averager processes fork
     handler = logging.StreamHandler(sys.stderr)  # (the daemon configures logging; a test process does not)
     monkeypatch.setattr(state_transfer.logger, "handlers", [handler])

@@ -355,11 +355,11 @@ def test_overlapped_gate_waits_for_peers_training_its_round_only(two_dhts):
         b = SwarmProgress(dht_b, RUN, "peer-b", heartbeat=5)
         await a.publish(epoch=3, round=4, ready=True)
         await b.publish(epoch=2, round=3, ready=True)  # sent epoch 2, trains round 3
-        training = await a.wait_until_ready(min_peers=1, min_peers_timeout=30, ready_timeout=1.0, delayed=True)
+        training = await a.wait_until_ready(min_peers=1, min_peers_timeout=30, ready_timeout=1.0, lag=1)
         await b.publish(epoch=3, round=4, ready=False)  # synced to epoch 3: trains the next round
-        synced = await a.wait_until_ready(min_peers=1, min_peers_timeout=30, ready_timeout=30, delayed=True)
+        synced = await a.wait_until_ready(min_peers=1, min_peers_timeout=30, ready_timeout=30, lag=1)
         await b.publish(epoch=3, round=4, ready=True)  # sent epoch 3
-        both = await a.wait_until_ready(min_peers=1, min_peers_timeout=30, ready_timeout=30, delayed=True)
+        both = await a.wait_until_ready(min_peers=1, min_peers_timeout=30, ready_timeout=30, lag=1)
         return training, synced, both
 
     training, synced, both = asyncio.run(scenario())

@@ -8,9 +8,9 @@ donor could otherwise poison us through it (momentum x100 was accepted before: t
 resumes from another donor after the tensors that matched. The *target* (``swarm_target``) is the
 swarm's epoch by quorum (``progress.quorum_epoch``: the highest epoch a strict majority of the joined peers have
 reached, never what one peer claims) and, at that epoch, the hash most of its voting peers hold (ties: the
-smallest hash, so every peer picks the same one). ``state_sync.py`` downloads it; ``outer_round.py`` and the
+smallest hash, so every peer picks the same one). ``state_sync.py`` downloads it; ``rounds/healing.py`` and the
 bootstrap's monitor compare records with it. A sync that failed tells which claims did not hold
-(``after_failed_sync``): they stop counting towards the target.
+(``rounds.healing.Healing.after_failed_sync``): they stop counting towards the target.
 
 Known limit of the hash rule: peers that averaged together hold the same hash, so a liar cannot outvote them. Right
 after a failed all-reduce, though, every peer may hold a state of its own; the tie then goes to the smallest hash so
@@ -21,14 +21,10 @@ it. Keeping our own state on a tie instead would leave honest replicas apart for
 from __future__ import annotations
 
 import collections
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..swarm.progress import QUORUM, SwarmProgress, quorum_epoch, voters
+from ..swarm.progress import QUORUM, quorum_epoch, voters
 from ..swarm.progress_record import ProgressRecord
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,22 +46,3 @@ def swarm_target(records: list[ProgressRecord], quorum: float = QUORUM) -> Targe
     counts = collections.Counter(r.state_hash for r in at_epoch)
     state_hash = min(counts, key=lambda h: (-counts[h], h))
     return Target(epoch, state_hash, [r.peer_id for r in at_epoch if r.state_hash == state_hash])
-
-
-async def after_failed_sync(progress: SwarmProgress, target: Target, result, needs_sync: Callable[[Target], str],
-                            suspect_seconds: float) -> None:
-    """After a failed sync to ``target`` (``result``: a ``state_sync.SyncResult``): stop counting the claims that
-    did not hold, and join the swarm the other records describe if we hold its state (``needs_sync`` says we do
-    not). A lie (a peer that claims a state it cannot serve) then neither keeps us from joining nor stays the
-    target; every peer finds that out for itself, with one failed sync."""
-    for donor in set(result.rejected):  # served another epoch or state than it publishes: for good
-        progress.distrust(donor, target.epoch, target.state_hash)
-    others = [p for p in target.holders if p != progress.record.peer_id]
-    if not progress.record.joined and len(others) == 1 and not result.rejected and not result.moved_on:
-        # a claim nobody else confirms and its one holder did not serve, while we look for the swarm to join:
-        # maybe the network, maybe a lie (once joined, we simply try again at the next round)
-        progress.distrust(others[0], target.epoch, target.state_hash, suspect_seconds)
-    if not progress.record.joined and not needs_sync(swarm_target(await progress.swarm_records())):
-        logger.warning(f"state sync: the state of epoch {target.epoch} that {len(others)} peer(s) claim could "
-                       f"not be had; joining the swarm the other peers describe")
-        await progress.publish(joined=True)

@@ -303,7 +303,7 @@ class SwarmProgress:
         await self._store(None)
 
     async def wait_until_ready(self, min_peers: int, min_peers_timeout: float, ready_timeout: float,
-                               should_stop=lambda: False, delayed: bool = False) -> ReadyDecision:
+                               should_stop=lambda: False, lag: int = 0) -> ReadyDecision:
         """Wait until the round of our epoch may start; we must have published ``ready=True`` already.
 
         The round starts when (a) at least ``min_peers`` peers are alive and (b) every live peer at our
@@ -313,9 +313,9 @@ class SwarmProgress:
         seconds without (a), with whoever is there. Returns early (with reason "stopping") as soon as
         ``should_stop()`` is true, so that a leaving peer never waits here.
 
-        ``delayed`` (overlapped rounds, see ``outer_round.py``): the peers to wait for are those whose
-        record says they train the round of our epoch (``round``); a peer that sent it is at our epoch and
-        ready (and already trains the next round).
+        ``lag``: the schedule's (``rounds/schedule.py``): 0 in blocking rounds; 1 in overlapped ones, where the peers
+        to wait for are those whose record says they train the round of our epoch (``round``), and a peer that sent
+        it is at our epoch and ready (and already trains the next round).
 
         Liars can only delay or hurry a round, within bounds: one that claims our epoch (or to sync towards it) and
         never gets ready holds the gate ``ready_timeout`` at most; fake peers can fill ``min_peers`` early (the
@@ -335,18 +335,18 @@ class SwarmProgress:
             records = await self.swarm_records()
             reads += 1
             epoch = self.record.epoch
-            if delayed:
+            if lag:
                 sent = [r for r in records if r.epoch == epoch and r.ready]
                 same_epoch = sent + [r for r in records if r.round == epoch and not (r.epoch == epoch and r.ready)]
                 ready = len(sent)
-            else:  # and joined peers that sync towards our round (``OuterRounds._heading_for``): not ready yet
+            else:  # and joined peers that sync towards our round (``Healing.heading_for``): not ready yet
                 same_epoch = [r for r in records if r.epoch == epoch or r.joined and r.epoch < epoch == r.round]
                 ready = sum(r.ready and r.epoch == epoch for r in same_epoch)
             now = time.monotonic()
             waited = now - started
             # ahead of the swarm (a round of ours failed, the others' did not): they reach our epoch round by
             # round; going on alone would put us further ahead every round, never to meet them again
-            swarm = quorum_epoch(records) if not delayed else None
+            swarm = quorum_epoch(records) if not lag else None
             ahead = swarm is not None and swarm < epoch
             if len(records) >= min_peers:
                 quorum_since = quorum_since if quorum_since is not None else now

@@ -1,6 +1,6 @@
-"""What one outer round produces: its inner steps' numbers, its exchange, and the record the event log keeps.
+"""What one outer round produces: its inner steps' numbers and the record the event log keeps.
 
-``outer_round.OuterRounds`` fills these in; the daemon hands each ``RoundRecord`` to the event log, whose
+``outer_rounds.OuterRounds`` fills these in; the daemon hands each ``RoundRecord`` to the event log, whose
 ``round`` events the metrics, the reports and the benchmarks read.
 """
 
@@ -8,37 +8,29 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .averaging.averager import RoundResult
-from .swarm.progress import ReadyDecision
-
 
 @dataclass
 class InnerResult:
-    """What a round's H inner steps did."""
+    """What a round's inner steps did."""
+
+    steps: int
     tokens: int
     compute_seconds: float
     train_loss: float
-
-
-@dataclass
-class Exchange:
-    """A round's gate and all-reduce, as the conclusion sees them."""
-    decision: ReadyDecision
-    result: RoundResult
-    dropped: bool = False
-    """Stopped at the gate, or (blocking) the gate found us off the swarm's state and synced to it instead."""
-    off_swarm: str = ""
-    """Overlapped: why the gate found our outer weights off the swarm's ("" if they were not)."""
+    """Mean training loss over the round's steps."""
 
 
 @dataclass
 class RoundRecord:
     """One finished round: the ``round`` event of the event log (metrics and reports read it)."""
+
     peer: str
     round: int
     epoch: int
     outcome: str
-    """``averaged`` with a group, ``solo`` (nobody to average with) or ``failed`` (a group formed, then failed)."""
+    """``averaged`` with a group; ``partial``: averaged, but a reducer failed mid-round and part of our vector kept
+    its own values (healed by a state sync); ``failed``: a group was expected or formed and its average was not had,
+    or was refused; ``solo``: nobody to average with (``outcome.decide``)."""
     group_size: int
     group_epochs: list[int]
     ready_peers: int
@@ -59,9 +51,11 @@ class RoundRecord:
     outer_lr: float
     inner_step: int
     param_sha256: str
+    inner_steps: int = 0
+    """Inner steps this peer trained in the round."""
     round_seconds: float = 0.0
     overlap_wait_seconds: float | None = None
-    """Delayed mode: how long the end of the round waited for the exchange launched a round earlier."""
+    """Overlapped rounds: how long the end of the round waited for the exchange launched a round earlier."""
     arrived_step: int | None = None
     """Overlapped, ``outer.apply_on_arrival``: the inner step of the next round at which this round's average
     reached the replica (``arrival.py``); None (absent from the event): at the end of that round."""

@@ -1,0 +1,124 @@
+"""A round's exchange: publish "ready", wait at the round gate, then all-reduce the pseudo-gradient with the peers
+that are ready, weighted by the tokens behind it.
+
+The schedule launches the exchange as an asyncio task (``RoundExchange.launch``) and the round's end collects it:
+at once in blocking rounds, a round later in overlapped ones, which train the next round meanwhile. What the gate's
+records mean for us (sync at once, or note that our outer weights are off the swarm's) is the schedule's call
+(``Schedule.at_gate``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from ..averaging.averager import RoundAverager, RoundResult
+from ..config import AveragingConfig
+from ..observe.events import EventLog
+from ..state.state_sync import StateSync
+from ..swarm.progress import ALL_READY, ReadyDecision, SwarmProgress
+from ..swarm.progress_record import ProgressRecord
+from ..training.outer_optimizer import OuterOptimizer
+from ..training.trainer import ComputeThread
+from .healing import Healing
+from .outcome import Exchange
+
+logger = logging.getLogger("diloco_peer")
+
+GateVerdict = Callable[[list[ProgressRecord]], Awaitable[tuple[bool, str]]]
+"""What a schedule makes of the gate's records (``Schedule.at_gate``): (the round is dropped, why our outer weights
+are off the swarm's or "")."""
+
+
+class RoundExchange:
+    """The exchange of one round at a time: launched, then collected by the round's end.
+
+    :param cfg: the ``[averaging]`` section (the gate's ``min_peers`` and timeouts, ``start_when_complete``)
+    :param lag: the schedule's lag: a record at outer epoch e sends round e + ``lag``'s pseudo-gradient
+    :param at_gate: the schedule's reading of the gate's records (``GateVerdict``)
+    :param name: this peer's name, in the event log
+    """
+
+    def __init__(self, cfg: AveragingConfig, lag: int, at_gate: GateVerdict, name: str, *, outer: OuterOptimizer,
+                 averager: RoundAverager, progress: SwarmProgress, sync: StateSync, healing: Healing,
+                 events: EventLog, compute: ComputeThread, should_stop: Callable[[], bool]):
+        self.cfg = cfg
+        self.lag = lag
+        self.at_gate = at_gate
+        self.name = name
+        self.outer = outer
+        self.averager = averager
+        self.progress = progress
+        self.sync = sync
+        self.healing = healing
+        self.events = events
+        self.compute = compute
+        self.should_stop = should_stop
+        self.pending: asyncio.Task | None = None
+        """The exchange launched last, until the round's end collects it."""
+        self.sent: list[torch.Tensor] = []
+        """The pseudo-gradient ``pending`` averages (a solo step applies it if the all-reduce fails)."""
+        self.waited = 0.0
+        """Seconds the last ``collect`` waited for its exchange to end."""
+
+    def launch(self, pseudo_gradient: list[torch.Tensor], tokens: int, inner_step: int) -> asyncio.Task:
+        """Start exchanging ``pseudo_gradient`` (``tokens`` behind it) for our outer epoch; the task."""
+        self.sent = pseudo_gradient
+        self.pending = asyncio.create_task(self._exchange(pseudo_gradient, tokens, self.outer.epoch, inner_step))
+        return self.pending
+
+    async def collect(self) -> Exchange:
+        """The pending exchange's outcome (``waited``: how long we waited for it); a failure there is a lost round."""
+        started = time.perf_counter()
+        try:
+            exchange = await self.pending
+        except Exception as e:  # e.g. the DHT failed to store our record: never fatal
+            exchange = Exchange(ReadyDecision(1, 1, 0.0, "error"), RoundResult(False, error=f"{type(e).__name__}: {e}"))
+        self.pending = None
+        self.waited = time.perf_counter() - started
+        return exchange
+
+    def cancel(self) -> None:
+        if self.pending is not None:
+            self.pending.cancel()
+
+    async def own_pseudo_gradient(self) -> list[torch.Tensor]:
+        """Our pseudo-gradient of the round being concluded, for a solo step (or an all-reduce after a failed
+        download): as sent, or, where the averager writes the average over what we sent (``in_place``: blocking
+        rounds on a GPU, whose replica is untouched until the outer step), computed again from the replica."""
+        return await self.compute.run(self.outer.pseudo_gradient) if self.averager.in_place else self.sent
+
+    async def _exchange(self, pseudo_gradient: list[torch.Tensor], tokens: int, epoch: int,
+                        inner_step: int) -> Exchange:
+        cfg = self.cfg
+        await self.progress.publish(epoch=epoch, round=epoch + self.lag, inner_step=inner_step, ready=True,
+                                    state_hash=self.sync.state_hash, tokens=self.progress.record.tokens + tokens)
+        decision = await self.progress.wait_until_ready(
+            min_peers=cfg.min_peers if epoch == 0 else 1, min_peers_timeout=cfg.first_round_timeout,
+            ready_timeout=cfg.ready_timeout, should_stop=self.should_stop, lag=self.lag)
+        if self.should_stop():
+            return Exchange(decision, RoundResult(ok=False, error=decision.reason), dropped=True)
+        downloads = self.healing.downloads
+        dropped, off_swarm = await self.at_gate(decision.records)
+        if dropped:
+            return Exchange(decision, RoundResult(ok=False), dropped=True)
+        if self.healing.downloads != downloads and self.averager.in_place:  # a failed download took the buffer
+            pseudo_gradient = self.sent = await self.own_pseudo_gradient()
+        if decision.ready < 2:
+            return Exchange(decision, RoundResult(ok=False, error=decision.reason), off_swarm=off_swarm)
+        self.events.write("averaging", peer=self.name, epoch=epoch, ready_peers=decision.ready)
+        expected = decision.expected if cfg.start_when_complete else None
+        result = await self.averager.average(pseudo_gradient, weight=tokens, epoch=epoch, expected=expected,
+                                             nudge=self._waiting(decision, epoch))
+        return Exchange(decision, result, off_swarm=off_swarm)
+
+    def _waiting(self, decision: ReadyDecision, epoch: int) -> list[str]:
+        """Peers to tell that the round's last one is ready: all ready at our gate's first read (we came last)."""
+        if decision.reads != 1 or decision.reason != ALL_READY:
+            return []
+        return [r.peer_id for r in decision.records
+                if r.ready and r.epoch == epoch and r.peer_id != self.progress.record.peer_id]

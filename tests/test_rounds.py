@@ -1,0 +1,196 @@
+"""The outer round's logic, in-process and in milliseconds: blocking and overlapped schedules, failed, refused and
+partial rounds, healing by state sync, and the verdict that decides a round's outcome.
+
+The peers are real ``OuterRounds`` with a real outer optimizer and the real round gate, on a fake DHT, all-reduce,
+state sync and trainer (``fake_swarm.py``). Each test checks what the round's contract says: peers that averaged
+hold bit-identical outer weights, and those weights are exactly the outer steps of the group's means, one per round.
+The real-swarm tests (``test_outer_round.py``, ``test_churn.py``) run the same logic end to end.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from fake_swarm import FakeSwarm, PullTrainer
+
+from diloco_peer.averaging.averager import RoundResult
+from diloco_peer.config import AveragingConfig, OuterConfig
+from diloco_peer.config.faults import Faults
+from diloco_peer.rounds.outcome import Exchange, decide
+from diloco_peer.rounds.schedule import Blocking, Overlapped
+from diloco_peer.swarm.progress import ALL_READY, ReadyDecision
+from diloco_peer.training.outer_optimizer import OuterOptimizer
+
+SCHEDULES = {"blocking": OuterConfig(inner_steps=5),
+             "eager": OuterConfig(inner_steps=10, overlap="eager"),
+             "delayed": OuterConfig(inner_steps=10, overlap="delayed")}
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def replayed(means: dict[int, list[torch.Tensor]], rounds: int, cfg: OuterConfig) -> list[torch.Tensor]:
+    """The outer weights after one outer step with each round's group mean, from the peers' starting weights."""
+    outer = OuterOptimizer(PullTrainer(0.0).model, cfg)
+    for epoch in range(rounds):
+        outer.step(means[epoch])
+    return outer.params
+
+
+def outcomes(peer) -> list[str]:
+    return [r.outcome for r in peer.records]
+
+
+@pytest.mark.parametrize("mode", SCHEDULES)
+def test_every_round_applies_exactly_the_groups_mean_and_replicas_stay_identical(tmp_path, mode):
+    cfg = SCHEDULES[mode]
+    swarm = FakeSwarm(tmp_path, cfg)
+    a, b = swarm.add("a", target=1.0), swarm.add("b", target=3.0)
+    swarm.run(4)
+    assert outcomes(a) == outcomes(b) == ["averaged"] * 4
+    assert [r.round for r in a.records] == [1, 2, 3, 4]
+    assert same(a.outer.params, b.outer.params) and same(a.outer.momentum_views, b.outer.momentum_views)
+    assert same(a.outer.params, replayed(swarm.hub.means, 4, cfg))
+    # round 1's pseudo-gradients: H pulls from 0 towards 1 and 3, equal tokens: their mean, -2 (1 - 0.9^H)
+    expected = -2 * (1 - 0.9 ** cfg.inner_steps)
+    assert all(torch.allclose(m, torch.full_like(m, expected)) for m in swarm.hub.means[0])
+    assert a.records[-1].param_sha256 == b.records[-1].param_sha256
+    assert all(r.inner_steps == cfg.inner_steps and r.tokens == cfg.inner_steps * 100 for r in a.records)
+
+
+def test_overlapped_corrections_differ_only_in_what_the_replica_trains_from(tmp_path):
+    """eager and delayed average the same way; the replica starts each round from different points, so their
+    outer weights part from round 2 on (round 1's pseudo-gradients are the same)."""
+    results = {}
+    for mode in ("eager", "delayed"):
+        swarm = FakeSwarm(tmp_path / mode, SCHEDULES[mode])
+        swarm.add("a", target=1.0), swarm.add("b", target=3.0)
+        swarm.run(3)
+        results[mode] = swarm.hub.means
+    assert same(results["eager"][0], results["delayed"][0])
+    assert not same(results["eager"][1], results["delayed"][1])
+
+
+@pytest.mark.parametrize("on_arrival", [True, False], ids=["applied-on-arrival", "at-the-round's-end"])
+def test_an_early_average_moves_the_replica_not_the_outer_weights(tmp_path, on_arrival):
+    cfg = OuterConfig(inner_steps=20, overlap="eager", apply_on_arrival=on_arrival)
+    swarm = FakeSwarm(tmp_path, cfg, step_seconds=0.001)
+    a, b = swarm.add("a", target=1.0), swarm.add("b", target=3.0)
+    swarm.run(4)
+    arrived = [r.arrived_step for r in a.records + b.records]
+    assert any(step is not None and step < cfg.inner_steps for step in arrived) if on_arrival else \
+        all(step is None for step in arrived), arrived
+    assert same(a.outer.params, b.outer.params)
+    assert same(a.outer.params, replayed(swarm.hub.means, 4, cfg))
+
+
+@pytest.mark.parametrize("mode", ["blocking", "eager"])
+def test_a_one_sided_failure_takes_the_others_state_within_its_round(tmp_path, mode):
+    swarm = FakeSwarm(tmp_path, SCHEDULES[mode])
+    a, b = swarm.add("a", target=1.0), swarm.add("b", target=3.0)
+    swarm.hub.script[(1, "a")] = "fail"  # a's all-reduce of round 2 fails; b's succeeds
+    swarm.run(4)
+    assert outcomes(a) == ["averaged", "failed", "averaged", "averaged"]
+    assert outcomes(b) == ["averaged"] * 4
+    assert a.sync.syncs == 1 and a.rounds.averager.failed_rounds == 1
+    for ra, rb in zip(a.records, b.records):
+        assert ra.param_sha256 == rb.param_sha256, (ra.round, ra.outcome)
+
+
+@pytest.mark.parametrize("mode", ["blocking", "eager"])
+def test_a_refused_average_is_never_applied_and_the_peer_takes_the_others_state(tmp_path, mode):
+    swarm = FakeSwarm(tmp_path, SCHEDULES[mode])
+    a = swarm.add("a", target=1.0, faults=Faults(refuse_rounds=(2,)))
+    b = swarm.add("b", target=3.0)
+    swarm.run(3)
+    assert outcomes(a) == ["averaged", "failed", "averaged"] and outcomes(b) == ["averaged"] * 3
+    assert a.records[1].error.startswith("refused the group's average")
+    assert a.records[1].arrived_step is None  # (eager: the refused average never reached the replica either)
+    assert a.sync.syncs == 1
+    assert same(a.outer.params, b.outer.params)
+
+
+def test_a_two_sided_failure_steps_alone_then_heals_at_the_next_gate(tmp_path):
+    swarm = FakeSwarm(tmp_path, SCHEDULES["blocking"])
+    a, b = swarm.add("a", target=1.0), swarm.add("b", target=3.0)
+    swarm.hub.script.update({(1, "a"): "fail", (1, "b"): "fail"})
+    swarm.run(4)
+    assert outcomes(a)[:2] == outcomes(b)[:2] == ["averaged", "failed"]
+    # the first to step alone publishes its state; the other, still waiting for the round's end, takes it; or both
+    # step alone, and the next gate has the one with the larger hash take the other's
+    assert a.sync.syncs + b.sync.syncs == 1
+    assert outcomes(a)[-2:] == outcomes(b)[-2:] == ["averaged"] * 2
+    assert same(a.outer.params, b.outer.params)
+
+
+@pytest.mark.parametrize("mode", ["blocking", "eager"])
+def test_a_partial_round_heals_within_itself(tmp_path, mode):
+    swarm = FakeSwarm(tmp_path, SCHEDULES[mode])
+    a, b = swarm.add("a", target=1.0), swarm.add("b", target=3.0)
+    swarm.hub.script.update({(1, "a"): "partial", (1, "b"): "partial"})  # a reducer died: each kept a span
+    swarm.run(3)
+    assert outcomes(a) == outcomes(b) == ["averaged", "partial", "averaged"]
+    assert a.sync.syncs + b.sync.syncs == 1
+    for ra, rb in zip(a.records, b.records):
+        assert ra.param_sha256 == rb.param_sha256, ra.round
+
+
+def test_a_peer_alone_steps_with_its_own_pseudo_gradient(tmp_path):
+    cfg = SCHEDULES["blocking"]
+    swarm = FakeSwarm(tmp_path, cfg, AveragingConfig(min_peers=1, max_update_ratio=0.0))
+    a = swarm.add("a", target=1.0)
+    swarm.run(2)
+    assert outcomes(a) == ["solo", "solo"]
+    alone = PullTrainer(1.0)  # DiLoCo with one replica: H inner steps, an outer step with its own pseudo-gradient
+    reference = OuterOptimizer(alone.model, cfg)
+    for _ in range(2):
+        alone.train_steps(cfg.inner_steps)
+        reference.step(reference.pseudo_gradient())
+    assert same(a.outer.params, reference.params)
+
+
+@pytest.mark.parametrize("mode", ["blocking", "eager"])
+def test_a_newcomer_syncs_to_the_swarm_then_averages(tmp_path, mode):
+    swarm = FakeSwarm(tmp_path, SCHEDULES[mode])
+    a, b = swarm.add("a", target=1.0), swarm.add("b", target=3.0)
+    c = swarm.add("c", target=2.0, joins_at=2)
+    swarm.run(6)
+    assert c.sync.syncs >= 1 and c.records[0].round >= 3
+    assert outcomes(c)[-2:] == ["averaged"] * 2 and c.records[-1].group_size == 3, c.records
+    assert same(a.outer.params, c.outer.params) and same(b.outer.params, c.outer.params)
+
+
+def _exchange(ok=True, ready=2, averaged=(1.0,), lost=0, off_swarm="", error="") -> Exchange:
+    tensors = [torch.tensor(list(averaged))] if ok else None
+    result = RoundResult(ok=ok, averaged=tensors, sent_norm=1.0, values_not_averaged=lost, error=error)
+    return Exchange(ReadyDecision(ready, ready, 0.0, ALL_READY), result, off_swarm=off_swarm)
+
+
+@pytest.mark.parametrize("exchange, outcome, with_average, seeks, rechecks, clean", [
+    (_exchange(), "averaged", True, False, False, True),
+    (_exchange(lost=5), "partial", True, False, True, False),
+    (_exchange(averaged=(math.nan,)), "failed", False, True, False, False),
+    (_exchange(averaged=(50.0,)), "failed", False, True, False, False),  # 50x our own norm
+    (_exchange(ok=False, error="timeout"), "failed", False, True, False, False),
+    (_exchange(ok=False, ready=1, error="alone"), "solo", False, True, False, False),
+    (_exchange(off_swarm="our weights differ"), "averaged", True, True, False, False),
+], ids=["averaged", "partial", "non-finite", "too-long", "failed", "solo", "off-swarm"])
+def test_the_verdict(exchange, outcome, with_average, seeks, rechecks, clean):
+    verdict = decide(exchange, epoch=3, max_update_ratio=10.0)
+    assert (verdict.outcome, verdict.steps_with_average, verdict.seeks_swarm_state, verdict.rechecks,
+            verdict.clean) == (outcome, with_average, seeks, rechecks, clean)
+    assert verdict.withdraws == (not with_average)
+    assert bool(verdict.error) == (not with_average)
+
+
+def test_the_verdict_of_a_round_the_fault_injection_refuses():
+    verdict = decide(_exchange(), epoch=1, max_update_ratio=10.0, faults=Faults(refuse_rounds=(2,)))
+    assert verdict.outcome == "failed" and "refuse_round" in verdict.error
+    assert decide(_exchange(), epoch=2, max_update_ratio=10.0, faults=Faults(refuse_rounds=(2,))).clean
+
+
+def test_the_schedules_carry_the_lag():
+    assert Blocking.lag == 0 and Overlapped.lag == 1
