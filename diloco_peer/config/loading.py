@@ -105,9 +105,8 @@ def _format_error(err: ValidationError, source: str) -> str:
     return f"bad config in {source}{' at ' + loc if loc else ''}: {msg.removeprefix('Value error, ')}"
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> PeerConfig:
-    """Read a TOML config (a path or a shipped name; default tiny-cpu), apply ``--set`` overrides, validate."""
-    config_path = resolve_config_path(str(path) if path else DEFAULT_CONFIG)
+def read_tree(config_path: Path) -> dict:
+    """The TOML file ``config_path`` as it is written (not validated, no defaults filled in)."""
     try:
         tree = tomllib.loads(config_path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -118,6 +117,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pe
         raise ConfigError(f"{config_path} is not usable TOML: arrays or tables nested too deeply") from None
     except OSError as e:
         raise ConfigError(f"cannot read config {config_path}: {e.strerror}") from None
+    return tree
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> PeerConfig:
+    """Read a TOML config (a path or a shipped name; default tiny-cpu), apply ``--set`` overrides, validate."""
+    config_path = resolve_config_path(str(path) if path else DEFAULT_CONFIG)
+    tree = read_tree(config_path)
     for item in overrides:
         _apply_override(tree, *parse_override(item))
     source = f"{config_path}" + (" + --set" if overrides else "")
