@@ -127,7 +127,8 @@ async def start_relay(cfg: SwarmConfig, initial_peers: list[str], starts: int = 
                 ok, limit = await probes.relay_limit()
                 problem = f"it grants {limit} (go-libp2p's default relay serves), too little for averaging"
             except Exception as e:  # no answer from our own relay is a failed check, not a failed start
-                ok, problem = False, f"it did not answer a reservation: {str(e).strip()[:200] or type(e).__name__}"
+                ok = False
+                problem = f"it did not answer a reservation: {str(e).strip()[:200] or type(e).__name__}"
             if ok or start == starts:  # the last start serves anyway: still a bootstrap node
                 if ok:
                     logger.info(f"relay for peers behind NAT: {limit} (start {start})")

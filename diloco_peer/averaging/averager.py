@@ -113,7 +113,10 @@ class RoundAverager:
         if in_place and inputs is not None:
             raise ValueError("in_place=True writes the average over our own input buffer: a lent one (inputs) "
                              "holds the replica, which a solo step after a failed round would still need")
-        self.cfg, self.admission, self.relayed, self.faults = cfg, admission, relayed, faults
+        self.cfg = cfg
+        self.admission = admission
+        self.relayed = relayed
+        self.faults = faults
         self.peer_id = dht.peer_id.to_base58()
         self.feedback = ErrorFeedback(get_codec(cfg.compression)) if cfg.error_feedback else None
         self._banned: dict[str, float] = {}  # peer id -> when its ban ends (time.monotonic), see banned()

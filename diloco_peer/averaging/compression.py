@@ -69,7 +69,8 @@ class Codec:
 
 class _HalfCodec(Codec):
     def __init__(self, name: str, dtype: torch.dtype):
-        self.name, self.dtype = name, dtype
+        self.name = name
+        self.dtype = dtype
 
     def encode(self, x: torch.Tensor) -> Payload:
         return Payload(x.detach().to(self.dtype), None, x.shape, x.numel())
@@ -79,7 +80,9 @@ class _BlockQuantCodec(Codec):
     """Symmetric per-block absmax quantization to ``levels`` steps each side of zero."""
 
     def __init__(self, name: str, levels: int, pack_nibbles: bool):
-        self.name, self.levels, self.pack = name, levels, pack_nibbles
+        self.name = name
+        self.levels = levels
+        self.pack = pack_nibbles
 
     def encode(self, x: torch.Tensor) -> Payload:
         flat = x.detach().to(torch.float32).flatten()
@@ -124,14 +127,16 @@ class ErrorFeedback:
     """Carries each tensor's quantization residual into the next round: send codec(x + residual)."""
 
     def __init__(self, codec: Codec):
-        self.codec, self.residuals = codec, None
+        self.codec = codec
+        self.residuals = None
         self._before: list[torch.Tensor] | None = None
 
     def roundtrip(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
         if self.residuals is None:
             self.residuals = [torch.zeros_like(t, dtype=torch.float32) for t in tensors]
         self._before = list(self.residuals)  # the tensors are replaced below, never changed in place
-        out, total = [], 0
+        out = []
+        total = 0
         for i, t in enumerate(tensors):
             corrected = t.to(torch.float32) + self.residuals[i]
             sent, size = self.codec.roundtrip(corrected)
@@ -145,7 +150,8 @@ class ErrorFeedback:
         What the codec dropped in earlier rounds was never applied anywhere and goes out with the next round;
         the failed round's own pseudo-gradient is applied uncompressed (a solo step) or replaced (a state sync)."""
         if self._before is not None:
-            self.residuals, self._before = self._before, None
+            self.residuals = self._before
+            self._before = None
 
 
 WIRE_CODES = {"bf16": 65, "int8": 66, "int4": 67}
@@ -189,7 +195,8 @@ class WireCompression(CompressionBase):
             expected = 4 * blocks + count
         else:  # bf16
             data = torch.frombuffer(buffer, dtype=torch.int16).view(torch.bfloat16) if numel else torch.zeros(0)
-            scales, expected = None, 2 * numel
+            scales = None
+            expected = 2 * numel
         if len(buffer) != expected:
             raise ValueError(f"a {codec.name} part of shape {tuple(shape)} must be {expected} bytes, got {len(buffer)}")
         return codec.decode(Payload(data, scales, shape, numel))

@@ -48,7 +48,9 @@ class SilenceWatch:
 
     def __init__(self, ask: Callable[[object], Awaitable[None]], waited_on: Callable[[], set],
                  on_silent: Callable[[object], Awaitable[None]]):
-        self._ask, self._waited_on, self._on_silent = ask, waited_on, on_silent
+        self._ask = ask
+        self._waited_on = waited_on
+        self._on_silent = on_silent
         self._started = time.monotonic()
         self._heard: dict[object, float] = {}
         self._silent: dict[object, asyncio.Event] = {}

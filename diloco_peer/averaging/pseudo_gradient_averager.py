@@ -283,7 +283,9 @@ class PseudoGradientAverager(DecentralizedAverager):
     def _fair_fractions(self, group_info) -> tuple[int, ...]:
         # hivemind's split of the vector, but from capped declared bandwidths (robust_aggregation.capped_bandwidths)
         # and members behind a relay reduce nothing when a direct member can: relayed bytes are slow and scarce
-        bandwidths, modes, relayed = [], [], []
+        bandwidths = []
+        modes = []
+        relayed = []
         for gathered in group_info.gathered:
             bandwidth, mode, user = self.serializer.loads(gathered)
             bandwidths.append(bandwidth)

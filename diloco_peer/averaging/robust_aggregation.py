@@ -43,7 +43,9 @@ class BadContribution(Exception):
 
     def __init__(self, kind: str, detail: str, counts: bool = True):
         super().__init__(f"{kind}: {detail}")
-        self.kind, self.detail, self.counts = kind, detail, counts
+        self.kind = kind
+        self.detail = detail
+        self.counts = counts
 
 
 @dataclass(frozen=True)
@@ -230,7 +232,9 @@ class CheckedPartReducer(TensorPartReducer):
 
     def __init__(self, part_shapes, num_senders: int, *, own: int | None, limits: Limits,
                  on_refused: Callable[[int, BadContribution], None]):
-        self.own, self.limits, self.on_refused = own, limits, on_refused
+        self.own = own
+        self.limits = limits
+        self.on_refused = on_refused
         self.contributions: dict[int, dict[int, tuple[torch.Tensor, float]]] = {}
         super().__init__(part_shapes, num_senders)
 
@@ -267,7 +271,9 @@ class BanList:
     """
 
     def __init__(self, ban_after: int, ban_seconds: float, clock=time.monotonic):
-        self.ban_after, self.ban_seconds, self.clock = ban_after, ban_seconds, clock
+        self.ban_after = ban_after
+        self.ban_seconds = ban_seconds
+        self.clock = clock
         self.offenses: dict[str, list[float]] = {}
         self.banned_until: dict[str, float] = {}
 

@@ -61,12 +61,14 @@ class RoundLog:
     """
 
     def __init__(self, averager, keep: int):
-        self.averager, self.keep = averager, keep
+        self.averager = averager
+        self.keep = keep
         self.served_at = -math.inf
         """``time.time()`` when a download of our state last began (``StateSync`` sets it)."""
         self.logged = 0
         """Rounds logged since the log last started (0: nothing kept)."""
-        self._last_step, self._round = None, 0.0
+        self._last_step = None
+        self._round = 0.0
 
     def remove_files(self) -> None:
         """Leaving: the files of the rounds kept (the averager process, which removes them as they go, has stopped)."""
@@ -88,7 +90,8 @@ class RoundLog:
         """Before the outer step from ``epoch`` (our state hashing to ``state_hash``) with ``update``: log it if
         wanted, else drop what is logged."""
         now = time.time()
-        self._round, self._last_step = (now - self._last_step if self._last_step else 0.0), now
+        self._round = now - self._last_step if self._last_step else 0.0
+        self._last_step = now
         if not self.keep or not self.wanted(now):
             if self.logged:
                 internals.send_to_averager_process(self.averager, "_keep_round", epoch + 1, state_hash, None, 0)
@@ -147,7 +150,9 @@ async def serve(averager, raw: bytes):
     request's ``max_bytes``: the epochs list is empty."""
     try:
         asked = averager.serializer.loads(raw)
-        after, state_hash, max_bytes = int(asked["after"]), str(asked["state_hash"]), int(asked["max_bytes"])
+        after = int(asked["after"])
+        state_hash = str(asked["state_hash"])
+        max_bytes = int(asked["max_bytes"])
     except Exception:
         return
     averager.replayed_at[0] = time.time()
@@ -156,7 +161,8 @@ async def serve(averager, raw: bytes):
     entries = [log[epoch][1] for epoch in epochs]  # (held here: a round logged meanwhile does not drop them)
     per_round = sum(t.numel() for t in averager.inputs) * (2 if entries and _narrow(entries[0][0]) is not None else 4)
     if per_round * len(epochs) >= max_bytes:
-        epochs, entries = [], []
+        epochs = []
+        entries = []
     metadata = averager.serializer.dumps({"epochs": epochs})
     compress = averager.state_compression.compress
     for update in entries:

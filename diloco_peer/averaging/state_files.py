@@ -42,7 +42,8 @@ class SpilledTensors:
     """
 
     def __init__(self, path: Path, layout: list[tuple[torch.Size, torch.dtype]]):
-        self.path, self.layout = path, layout
+        self.path = path
+        self.layout = layout
         self.offsets = [0]
         for shape, dtype in layout:
             self.offsets.append(self.offsets[-1] + shape.numel() * dtype.itemsize)
@@ -102,7 +103,8 @@ class SpilledTensor:
     requires_grad = False
 
     def __init__(self, file: SpilledTensors, index: int):
-        self.file, self.index = file, index
+        self.file = file
+        self.index = index
 
     @property
     def shape(self) -> torch.Size:

@@ -66,7 +66,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def _apply_override(tree: dict, path: list[str], value: Any) -> None:
-    node, model = tree, PeerConfig
+    node = tree
+    model = PeerConfig
     for depth, part in enumerate(path):
         fields = model.model_fields
         if part not in fields:

@@ -41,7 +41,8 @@ async def call(fn: Callable[..., Any], *args, timeout: float | None = None, **kw
     future = loop.create_future()
 
     def run() -> None:
-        result, error = None, None
+        result = None
+        error = None
         try:
             result = fn(*args, **kwargs)
         except BaseException as e:  # handed to the caller, whatever it is

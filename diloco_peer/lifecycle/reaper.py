@@ -102,7 +102,9 @@ def remove_orphaned_segments(directory: str = "/dev/shm", min_age: float = 60.0)
     open in any process. Nobody can reach such a segment any more; it holds RAM until a reboot. Only in the host's
     pid namespace: in a container that shares the host's /dev/shm, the processes using a segment may be invisible.
     Returns (segments removed, their bytes)."""
-    uid, orphans, now = os.getuid(), {}, time.time()
+    uid = os.getuid()
+    orphans = {}
+    now = time.time()
     try:
         if os.stat("/proc/self/ns/pid").st_ino != INITIAL_PID_NAMESPACE:
             return 0, 0
@@ -129,7 +131,8 @@ def remove_orphaned_segments(directory: str = "/dev/shm", min_age: float = 60.0)
             os.unlink(path)
         except OSError:
             continue
-        count, removed = count + 1, removed + size
+        count += 1
+        removed += size
     return count, removed
 
 
@@ -299,7 +302,8 @@ def stop_in_order(groups: list[list[subprocess.Popen]], signum: int, deadline: f
     import psutil
 
     procs = [proc for group in groups for proc in group]
-    tree, managers = _trees(procs), _trees(procs, managers=True)  # (managers: waited for, never killed)
+    tree = _trees(procs)
+    managers = _trees(procs, managers=True)  # waited for, never killed
     for group in groups:
         for proc in group:
             if proc.poll() is None:
@@ -341,7 +345,10 @@ def remove_namespace(name: str) -> None:
 def _watch(parent: int, fd: int) -> tuple[dict[int, str], list[str]] | None:
     """Read the protocol while ``parent`` lives, and what is left of it once it is gone; then what to take
     down, or None after "done"."""
-    watched, namespaces, pending, reading = {}, [], b"", True
+    watched = {}
+    namespaces = []
+    pending = b""
+    reading = True
     while True:
         alive = os.getppid() == parent
         if reading and select.select([fd], [], [], 0.5 if alive else 0)[0]:

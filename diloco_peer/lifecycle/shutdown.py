@@ -73,7 +73,10 @@ class Shutdown:
 
     def __init__(self, grace: float, leaving: str, owns_process: bool = False,
                  on_request: Callable[[], None] | None = None):
-        self.grace, self.leaving, self.owns_process, self.on_request = grace, leaving, owns_process, on_request
+        self.grace = grace
+        self.leaving = leaving
+        self.owns_process = owns_process
+        self.on_request = on_request
         self.requested = False
         """True once a signal asked us to stop (the loops check it)."""
         self._armed = False

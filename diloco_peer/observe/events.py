@@ -23,7 +23,8 @@ class EventLog:
     """Appends events to ``path``; ``on_event(event)``, if given, sees each one too (the metrics do)."""
 
     def __init__(self, path: Path, on_event: Callable[[dict], None] | None = None):
-        self.path, self.on_event = path, on_event
+        self.path = path
+        self.on_event = on_event
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", encoding="utf-8")
         self._lock = threading.Lock()  # state sync writes ``serve`` events from hivemind's thread
@@ -60,7 +61,9 @@ class EventFollower:
     """Yields the events appended to a log since the last call (for live progress; the file may not exist yet)."""
 
     def __init__(self, path: Path):
-        self.path, self._offset, self._partial = path, 0, b""
+        self.path = path
+        self._offset = 0
+        self._partial = b""
 
     def new_events(self) -> list[dict]:
         if not self.path.exists():

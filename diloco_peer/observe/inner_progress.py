@@ -27,7 +27,9 @@ class InnerProgress:
     """
 
     def __init__(self, events: EventLog, name: str, tty: bool):
-        self.events, self.name, self.tty = events, name, tty
+        self.events = events
+        self.name = name
+        self.tty = tty
         self.last_log = time.monotonic()
         """When the last line about training was logged (``logged_round`` after a round's own line)."""
         self._bar: tqdm | None = None

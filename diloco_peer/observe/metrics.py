@@ -96,7 +96,9 @@ class PeerMetrics:
                                "connections (sent + received)", registry=r)
         self.status = {"status": "joining", "epoch": 0, "last_outer_step": None}
         """What ``/healthz`` reports; "training" between the ``start`` and ``stop`` events."""
-        self.name, self.state, self.tokens_per_second = "", "joining", 0.0
+        self.name = ""
+        self.state = "joining"
+        self.tokens_per_second = 0.0
         self._last = {"train_loss": None, "eval_loss": None}
         self._rounds = dict.fromkeys(ROUND_OUTCOMES, 0)
         for outcome in ROUND_OUTCOMES:
@@ -138,7 +140,9 @@ class PeerMetrics:
         self.eval_loss.set(e["eval_loss"])
         self.up.set(1)
         self.status.update(status="training", epoch=e["epoch"])
-        self.name, self.state, self._last["eval_loss"] = e["peer"], "training", e["eval_loss"]
+        self.name = e["peer"]
+        self.state = "training"
+        self._last["eval_loss"] = e["eval_loss"]
 
     def _on_progress(self, e: dict) -> None:
         self.tokens.inc(e["tokens"])
@@ -146,7 +150,9 @@ class PeerMetrics:
         self.phase.labels("compute").inc(e["seconds"])
         self.train_loss.set(e["loss"])
         self.inner_lr.set(e["lr"])
-        self.state, self.tokens_per_second, self._last["train_loss"] = "training", e["tokens_per_second"], e["loss"]
+        self.state = "training"
+        self.tokens_per_second = e["tokens_per_second"]
+        self._last["train_loss"] = e["loss"]
 
     def _on_averaging(self, e: dict) -> None:
         self.state = "averaging"

@@ -17,7 +17,9 @@ def summarize(logs: dict[str, Path], wall_seconds: float, exit_codes: dict[str, 
     ``finishers`` are the peers expected to train to the end (all, unless a churn schedule removed some):
     ``rounds_completed`` and ``replicas_identical`` are about them."""
     finishers = list(logs) if finishers is None else finishers
-    starts, rounds, last_hash = {}, [], {}
+    starts = {}
+    rounds = []
+    last_hash = {}
     for name, path in logs.items():
         for event in read_events(path):
             if event["event"] == "start":
@@ -70,7 +72,8 @@ def format_table(summary: dict) -> str:
         lines.append(f"{rnd:>5} {averaged:>5}/{len(rows):<3} {groups:>8} {eval_loss:>9.4f} {seconds:>12.2f} "
                      f"{mb:>8.2f} {identical:>9}")
     s = summary
-    first, last = s["eval_loss_first"], s["eval_loss_last"]
+    first = s["eval_loss_first"]
+    last = s["eval_loss_last"]
     lines.append(
         f"{len(s['peers'])} peers, {s['rounds_completed']} rounds, outcomes {s['outcomes']}, "
         f"eval loss {first:.4f} -> {last:.4f}, {s['tokens_total']:,} tokens, "
@@ -92,7 +95,13 @@ def plot_losses(logs: dict[str, Path], png: Path) -> Path:
     fig, (ax_train, ax_eval, ax_speed) = plt.subplots(1, 3, figsize=(15, 4))
     t0 = min((e["time"] for path in logs.values() for e in read_events(path)), default=0.0)
     for name, path in logs.items():
-        tokens, train_x, train_y, eval_x, eval_y, speed_x, speed_y = 0, [], [], [], [], [], []
+        tokens = 0
+        train_x = []
+        train_y = []
+        eval_x = []
+        eval_y = []
+        speed_x = []
+        speed_y = []
         for event in read_events(path):
             if event["event"] == "start":
                 eval_x.append(event.get("epoch", 0))

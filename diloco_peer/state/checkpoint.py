@@ -133,7 +133,8 @@ class PeerState:
             return
         start = tensor.data_ptr()
         end = start + tensor.numel() * tensor.element_size()
-        first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = end // mmap.PAGESIZE * mmap.PAGESIZE
         if last > first:
             ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
 
@@ -202,7 +203,8 @@ class _Records:
     lists that order: the group of each storage), one record each, straight from the tensor's memory."""
 
     def __init__(self, writer, groups: list[str], snapshot: _Snapshot | None):
-        self._writer, self._snapshot = writer, snapshot
+        self._writer = writer
+        self._snapshot = snapshot
         self._left = {g: groups.count(g) for g in set(groups)}
         self._groups = groups
         if snapshot is not None:
@@ -304,7 +306,8 @@ class CheckpointManager:
     """
 
     def __init__(self, cfg: CheckpointConfig, name: str, fingerprint: str):
-        self.cfg, self.fingerprint = cfg, fingerprint
+        self.cfg = cfg
+        self.fingerprint = fingerprint
         self.dir = Path(cfg.dir) / name
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.glob("*.tmp"):  # a write that was killed halfway: never a valid checkpoint

@@ -153,7 +153,8 @@ class SwarmSecretAuthorizer(AuthorizerBase):
 
     async def validate_request(self, request: AuthorizedRequestBase) -> bool:
         auth = request.auth
-        signature, now = auth.signature, get_dht_time()
+        signature = auth.signature
+        now = get_dht_time()
         auth.signature = b""
         expected = self._mac(b"request", request)
         auth.signature = signature

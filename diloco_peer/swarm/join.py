@@ -109,15 +109,18 @@ async def start_reachable_dht(cfg: SwarmConfig, initial_peers: list[str]) -> tup
     """Start the DHT the way others can reach us (see reachability.py): directly, through relays, or not at all
     (client mode). ``swarm.reachability`` = auto finds out with a dial-back from a bootstrap first."""
     cfg = cfg.model_copy(update={"host_maddrs": reachability.free_port_addrs(cfg.host_maddrs)})
-    mode, detail = cfg.reachability, f"set by swarm.reachability={cfg.reachability}"
+    mode = cfg.reachability
+    detail = f"set by swarm.reachability={cfg.reachability}"
     if mode == "auto" and initial_peers:
         try:
             direct, detail = await reachability.probe_direct(cfg.host_maddrs, cfg.announce_maddrs, initial_peers)
         except Exception as e:  # e.g. the port is taken: start_dht says so in its own words
-            direct, detail = None, f"could not run the dial-back probe ({str(e).strip()[:200]})"
+            direct = None
+            detail = f"could not run the dial-back probe ({str(e).strip()[:200]})"
         mode = RELAYED if direct is False else DIRECT
     elif mode == "auto":
-        mode, detail = DIRECT, "the first node of a swarm (no bootstrap to dial us back)"
+        mode = DIRECT
+        detail = "the first node of a swarm (no bootstrap to dial us back)"
     port = next((a.split("/tcp/")[1].split("/")[0] for a in cfg.host_maddrs if "/tcp/" in a), "<port>")
     forward = (f"forward TCP port {port} on your router to this machine and set "
                f"swarm.announce_maddrs=[\"/ip4/<your public IP>/tcp/{port}\"] (or --announce)")
@@ -152,7 +155,8 @@ async def join_swarm(cfg: SwarmConfig, initial_peers: list[str], should_stop=lam
     to 60 s) for up to ``cfg.join_timeout`` seconds. Returns None if ``should_stop()`` turns true while waiting."""
     if cfg.identity_path:  # before the reachability probe and any wait: a second process stops at once
         await asyncio.to_thread(hold_identity, cfg.identity_path)
-    started, delay = time.monotonic(), 2.0
+    started = time.monotonic()
+    delay = 2.0
     while True:
         try:
             return await start_reachable_dht(cfg, initial_peers)

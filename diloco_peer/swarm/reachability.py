@@ -94,7 +94,9 @@ class ProbeService:
     """
 
     def __init__(self, p2p: P2P, prober: P2P, own_addrs: list[str]):
-        self.p2p, self.prober, self.own_addrs = p2p, prober, own_addrs
+        self.p2p = p2p
+        self.prober = prober
+        self.own_addrs = own_addrs
         self._locks: dict[PeerID, asyncio.Lock] = {}  # one dial per peer at a time: each drops its connection
 
     @classmethod
@@ -177,7 +179,8 @@ class ProbeService:
                     ok = any(p.peer_id == peer_id for p in await self.prober.list_peers())
                     error = "" if ok else "the dial reached some other peer"
                 except Exception as e:  # refused, unreachable, timed out, wrong peer id: all mean "no"
-                    ok, error = False, _one_line(e) if str(e).strip() else "timed out"
+                    ok = False
+                    error = _one_line(e) if str(e).strip() else "timed out"
                 finally:
                     with contextlib.suppress(Exception):
                         await p2pd_client(self.prober).disconnect(peer_id)
@@ -284,7 +287,10 @@ class ReachabilityWatch:
     """
 
     def __init__(self, reach: Reach, relays: list[str], interval: float, on_change):
-        self.reach, self.relays, self.interval, self.on_change = reach, relays, interval, on_change
+        self.reach = reach
+        self.relays = relays
+        self.interval = interval
+        self.on_change = on_change
         self._task: asyncio.Task | None = None
         self._service: ProbeService | None = None
 
@@ -294,7 +300,8 @@ class ReachabilityWatch:
             try:
                 ok, limit = await self._service.relay_limit()
             except Exception as e:
-                ok, limit = False, f"no answer from it: {_one_line(e) or type(e).__name__}"
+                ok = False
+                limit = f"no answer from it: {_one_line(e) or type(e).__name__}"
             if not ok:
                 logger.warning(f"relay: our p2pd serves go-libp2p's default relay ({limit}): NAT'd peers cannot "
                                f"average through it (see ProbeService.relay_limit); restart this peer")
@@ -302,7 +309,8 @@ class ReachabilityWatch:
             self._task = asyncio.create_task(self._watch(await dht.replicate_p2p()))
 
     async def _watch(self, p2p: P2P) -> None:
-        held, too_small = set(self.reach.relays), set()
+        held = set(self.reach.relays)
+        too_small = set()
         while True:
             await asyncio.sleep(self.interval)
             now = set(await check_relays(p2p, self.relays)) - too_small

@@ -51,7 +51,9 @@ def _varint(buf: bytes, i: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         byte = buf[i]
-        value, shift, i = value | (byte & 0x7F) << shift, shift + 7, i + 1
+        value = value | (byte & 0x7F) << shift
+        shift += 7
+        i += 1
         if not byte & 0x80:
             return value, i
 
@@ -59,14 +61,16 @@ def _varint(buf: bytes, i: int) -> tuple[int, int]:
 def _fields(buf: bytes) -> dict[int, list]:
     """A protobuf message's fields (number -> values; varints as ints, the rest as bytes): enough for the
     three small circuit relay v2 messages we read, without compiling their .proto."""
-    fields, i = {}, 0
+    fields = {}
+    i = 0
     while i < len(buf):
         key, i = _varint(buf, i)
         if key & 7 == 0:
             value, i = _varint(buf, i)
         elif key & 7 == 2:
             size, i = _varint(buf, i)
-            value, i = buf[i:i + size], i + size
+            value = buf[i:i + size]
+            i += size
         else:
             raise ValueError(f"unexpected protobuf wire type {key & 7}")
         fields.setdefault(key >> 3, []).append(value)

@@ -48,7 +48,9 @@ def parse_churn(text: str, peers: int, rounds: int) -> list[ChurnAction]:
         if not match:
             raise ConfigError(f"bad --churn item '{item}': expected ACTION:COUNT@roundR with ACTION kill, term or "
                               f"join, e.g. kill:2@round2")
-        action, count, rnd = match.group(1), int(match.group(2)), int(match.group(3))
+        action = match.group(1)
+        count = int(match.group(2))
+        rnd = int(match.group(3))
         if count < 1 or not 1 <= rnd <= rounds:
             raise ConfigError(f"bad --churn item '{item}': COUNT must be >= 1 and R within 1..{rounds} (--rounds)")
         actions.append(ChurnAction(item, action, count, rnd))

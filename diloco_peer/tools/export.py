@@ -123,12 +123,14 @@ def byte_tokenizer():
 
     # GPT-2's table: printable bytes stand for themselves, the others for the characters from U+0100 on
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
+    chars = {}
+    extra = 0
     for byte in range(256):
         if byte in printable:
             chars[byte] = chr(byte)
         else:
-            chars[byte], extra = chr(256 + extra), extra + 1
+            chars[byte] = chr(256 + extra)
+            extra += 1
     tokenizer = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -216,7 +218,8 @@ def generate(model: LlamaModel, ids: list[int], max_new_tokens: int, temperature
              eos_id: int | None = None, seed: int = 0) -> list[int]:
     """The ids ``model`` continues ``ids`` with: greedy at ``temperature`` 0, else sampled (seeded); stops at
     ``eos_id``. The context is the last ``max_seq_len`` ids (no KV cache: samples are short)."""
-    generator, new = torch.Generator().manual_seed(seed), []
+    generator = torch.Generator().manual_seed(seed)
+    new = []
     for _ in range(max_new_tokens):
         context = torch.tensor([(ids + new)[-model.cfg.max_seq_len:]])
         logits = model(context)[0, -1].float()

@@ -142,12 +142,17 @@ def activation_bytes(cfg: PeerConfig, autocast: bool) -> int:
     token) and the token ids. Checked against the tensors autograd saves (tests/test_plan.py).
     """
     m = cfg.model
-    h, f, heads, vocab = m.hidden_size, m.ffn_hidden_size, m.num_heads, m.vocab_size
+    h = m.hidden_size
+    f = m.ffn_hidden_size
+    heads = m.num_heads
+    vocab = m.vocab_size
     tokens = cfg.inner.batch_size * cfg.data.seq_len
     if autocast:
-        per_layer, rest = 36 * h + 8 * f + 4 * heads + 8, 10 * h + 4 * vocab + 20
+        per_layer = 36 * h + 8 * f + 4 * heads + 8
+        rest = 10 * h + 4 * vocab + 20
     else:
-        per_layer, rest = 44 * h + 16 * f + 4 * heads + 8, 12 * h + 4 * vocab + 20
+        per_layer = 44 * h + 16 * f + 4 * heads + 8
+        rest = 12 * h + 4 * vocab + 20
     return tokens * (m.num_layers * per_layer + rest + LOSS_TRANSIENT_PER_VOCAB * vocab)
 
 

@@ -78,7 +78,9 @@ class SlowNetwork(_Namespaces):
     """
 
     def __init__(self, peers: int, mbit: float, burst_kb: int = 64):
-        self.peers, self.mbit, self.burst_kb = peers, mbit, burst_kb
+        self.peers = peers
+        self.mbit = mbit
+        self.burst_kb = burst_kb
         self.tag = f"dlp{os.getpid() % 100000}"
         self.hub = f"{self.tag}-hub"
         self.namespaces = [f"{self.tag}-p{i}" for i in range(peers)]
@@ -147,7 +149,8 @@ class EmulatedInternet(_Namespaces):
     """
 
     def __init__(self, homes: int, mbit: float = 0, tag: str = ""):
-        self.homes, self.mbit = homes, mbit
+        self.homes = homes
+        self.mbit = mbit
         self.tag = tag or f"dnat{os.getpid() % 100000}"
         self.public = f"{self.tag}-pub"
         self.public_address = "10.78.0.1"
@@ -202,7 +205,8 @@ class EmulatedInternet(_Namespaces):
         _ip("ip", "addr", "add", f"{self.public_address}/24", "dev", "br0", ns=pub)
         _ip("ip", "link", "set", "br0", "up", ns=pub)
         for i in range(1, self.homes + 1):
-            router, host = self._add(self.router(i)), self._add(self.home(i))
+            router = self._add(self.router(i))
+            host = self._add(self.home(i))
             _ip("ip", "link", "add", "pub0", "netns", router, "type", "veth", "peer", "name", f"port{i}", "netns", pub)
             _ip("ip", "link", "set", f"port{i}", "master", "br0", ns=pub)
             _ip("ip", "link", "set", f"port{i}", "up", ns=pub)

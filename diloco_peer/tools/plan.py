@@ -105,7 +105,8 @@ def shortfall(need: dict, machine: Machine, device: str) -> str:
 
 def _need(cfg: PeerConfig, shape: ModelShape, peers: int = 8) -> dict:
     """Peak bytes per column, and under "shared" the part of the host's in shared memory."""
-    table, overlapped = buffers(cfg, shape, peers), cfg.outer.overlap != "blocking"
+    table = buffers(cfg, shape, peers)
+    overlapped = cfg.outer.overlap != "blocking"
     return {**peaks(table, overlapped), "shared": shared_peaks(table, overlapped)}
 
 
@@ -229,7 +230,8 @@ def format_plan(plan: dict) -> str:
 def check_fits(cfg: PeerConfig, name: str) -> None:
     """``join``'s check: raise a one-line ``ConfigError`` naming what is short if a peer with ``cfg`` cannot
     fit this machine's free memory (``--no-fit-check`` skips it)."""
-    device, shape = peer_device(cfg), ModelShape.from_config(cfg.model)
+    device = peer_device(cfg)
+    shape = ModelShape.from_config(cfg.model)
     machine = Machine.probe(device)
     short = shortfall(_need(cfg, shape), machine, device)
     if short:

@@ -45,7 +45,8 @@ def _read_blocks(cfg: DataConfig, shard: int, tokenizer: Tokenizer) -> tuple[tor
         documents = file_documents(cfg.paths, cfg.text_field, cfg.max_bytes)
     eval_every = max(2, round(1 / cfg.eval_fraction))
     blocks = train_blocks = 0
-    eval_parts, shard_parts = [], []
+    eval_parts = []
+    shard_parts = []
     for doc in documents:
         for start in range(0, len(doc.text), BLOCK_CHARS):
             text = doc.text[start:start + BLOCK_CHARS]
@@ -70,7 +71,9 @@ class Corpus:
     """
 
     def __init__(self, cfg: DataConfig, shard: int, vocab_size: int):
-        self.cfg, self.shard, self.window = cfg, shard, cfg.seq_len + 1
+        self.cfg = cfg
+        self.shard = shard
+        self.window = cfg.seq_len + 1
         if not 0 <= shard < cfg.num_shards:
             raise DataError(f"data.shard={shard} is out of range: use 0..{cfg.num_shards - 1} or -1 (auto)")
         self.generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + shard)

@@ -171,7 +171,8 @@ def _parquet_pieces(path: Path, index: int, row: int, text_field: str) -> Iterat
     if text_field not in parquet.schema_arrow.names:
         raise DataError(f"'{path}' has no column '{text_field}' (it has {parquet.schema_arrow.names}): "
                         f"fix the text field (data.text_field, --text-field)")
-    first, group_start = 0, 0  # skip whole row groups before ``row`` without reading them
+    first = 0  # skip whole row groups before ``row`` without reading them
+    group_start = 0
     while first < parquet.num_row_groups and group_start + parquet.metadata.row_group(first).num_rows <= row:
         group_start += parquet.metadata.row_group(first).num_rows
         first += 1

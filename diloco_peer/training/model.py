@@ -45,7 +45,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)

@@ -116,7 +116,9 @@ class OuterOptimizer:
             [torch.zeros(shape, device=device) for shape in shapes]
         self.epoch = 0
         """Outer rounds applied so far."""
-        self.lr, self.momentum, self.nesterov = cfg.lr, cfg.momentum, cfg.nesterov
+        self.lr = cfg.lr
+        self.momentum = cfg.momentum
+        self.nesterov = cfg.nesterov
         self.pseudo_gradient_buffers: list[torch.Tensor] | None = None
         """Where ``pseudo_gradient`` writes, if set (the averager's input buffers: no copy of the model per round)."""
         self.before_change: list[Callable[[], None]] = []

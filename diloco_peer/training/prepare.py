@@ -172,7 +172,10 @@ def _start(job: PrepareJob, out: Path) -> tuple[dict, Tokenizer]:
 
 def _units(pieces: Iterator[Piece], number: int, size: int) -> Iterator[tuple[dict, list[str], list[bool]]]:
     """Pieces grouped into units of ``size`` characters: (``{"unit": number, "pos": its start}``, texts, ends)."""
-    texts, ends, chars, start = [], [], 0, None
+    texts = []
+    ends = []
+    chars = 0
+    start = None
     for piece in pieces:
         start = start or piece.start
         texts.append(piece.text)
@@ -180,7 +183,11 @@ def _units(pieces: Iterator[Piece], number: int, size: int) -> Iterator[tuple[di
         chars += len(piece.text)
         if chars >= size:
             yield {"unit": number, "pos": start.to_json()}, texts, ends
-            texts, ends, chars, start, number = [], [], 0, None, number + 1
+            texts = []
+            ends = []
+            chars = 0
+            start = None
+            number += 1
     if texts:
         yield {"unit": number, "pos": start.to_json()}, texts, ends
 
@@ -242,7 +249,8 @@ def _write(job: PrepareJob, out: Path, manifest: dict, tokenizer: Tokenizer) -> 
     total, done = _input_progress(job)  # a bar over the input's bytes (a unit late), or over tokens for a stream
     bar = tqdm(desc=f"prepare -> {out}", unit="B" if total else "tok", unit_scale=True, total=total,
                initial=done(end["pos"]) if total else written, disable=None)
-    where, skip = end, end["skip"]
+    where = end
+    skip = end["skip"]
     try:
         for where, tokens in _tokenized(units, tokenizer, job.workers):
             tokens = tokens[skip:]

@@ -44,16 +44,22 @@ class TokenStream:
     """
 
     def __init__(self, cfg: DataConfig, shard: int, tokenizer: Tokenizer, window: int):
-        self.cfg, self.shard, self.tokenizer, self.window = cfg, shard, tokenizer, window
+        self.cfg = cfg
+        self.shard = shard
+        self.tokenizer = tokenizer
+        self.window = window
         self.eval, self._held_out = self._read_head()
         self.epoch = 0
         self._open(None)
-        self.buffer, self.consumed = np.zeros(0, dtype=tokenizer.dtype), 0
+        self.buffer = np.zeros(0, dtype=tokenizer.dtype)
+        self.consumed = 0
         self._mark: dict | None = None
         """Where the buffer starts: epoch, the stream's state before its first document, tokens of it skipped."""
 
     def _read_head(self) -> tuple[np.ndarray, set[bytes]]:
-        parts, count, held_out = [], 0, set()
+        parts = []
+        count = 0
+        held_out = set()
         for row in open_hf_stream(self.cfg.hf_dataset, self.cfg.hf_split, self.cfg.paths):
             text = self._text(row)
             held_out.add(_digest(text))
@@ -86,10 +92,12 @@ class TokenStream:
         self.epoch = mark["epoch"] if mark else 0
         self._dataset = self._split(mark["stream"] if mark else None)
         self._documents = self._read()
-        self._carry, self._carry_mark = np.zeros(0, dtype=self.tokenizer.dtype), None
+        self._carry = np.zeros(0, dtype=self.tokenizer.dtype)
+        self._carry_mark = None
         if mark:
             _, tokens = next(self._documents)
-            self._carry, self._carry_mark = tokens[mark["skip"]:], mark
+            self._carry = tokens[mark["skip"]:]
+            self._carry_mark = mark
 
     def _read(self):
         """((epoch, stream state before the document), its tokens) for each document of this peer's part that
@@ -111,8 +119,10 @@ class TokenStream:
 
     def _fill(self) -> None:
         """The next ``buffer_tokens`` tokens of the stream: the carry of the document cut last time, then more."""
-        parts, count = [], 0
-        tokens, mark = self._carry, self._carry_mark
+        parts = []
+        count = 0
+        tokens = self._carry
+        mark = self._carry_mark
         start = mark
         while count + len(tokens) < self.cfg.buffer_tokens:
             parts.append(tokens)
@@ -122,9 +132,11 @@ class TokenStream:
             start = start or mark
         used = self.cfg.buffer_tokens - count  # this document ends the buffer; the rest of it starts the next
         parts.append(tokens[:used])
-        self._carry, self._carry_mark = tokens[used:], {**mark, "skip": mark["skip"] + used}
+        self._carry = tokens[used:]
+        self._carry_mark = {**mark, "skip": mark["skip"] + used}
         self._mark = start
-        self.buffer, self.consumed = concatenate(parts, self.tokenizer.dtype), 0
+        self.buffer = concatenate(parts, self.tokenizer.dtype)
+        self.consumed = 0
 
     def batch(self, generator: torch.Generator, batch_size: int) -> torch.Tensor:
         """[batch_size, window] random windows of the buffer (refilled once as many tokens were drawn as it holds)."""
@@ -144,7 +156,8 @@ class TokenStream:
         same draws to come."""
         saved = json.loads(position)
         self._open(saved["mark"])
-        self.buffer, self.consumed = np.zeros(0, dtype=self.tokenizer.dtype), 0
+        self.buffer = np.zeros(0, dtype=self.tokenizer.dtype)
+        self.consumed = 0
         if saved["mark"] is not None:
             self._fill()
             self.consumed = saved["consumed"]

@@ -96,7 +96,9 @@ class TokenFile:
     """
 
     def __init__(self, path: Path, dtype: np.dtype, tokens: int):
-        self.path, self.dtype, self.tokens = path, np.dtype(dtype), tokens
+        self.path = path
+        self.dtype = np.dtype(dtype)
+        self.tokens = tokens
         self._fd: int | None = None
 
     def __len__(self) -> int:
@@ -140,9 +142,13 @@ class ShardWriter:
     """
 
     def __init__(self, directory: Path, manifest: dict, dtype: np.dtype):
-        self.directory, self.manifest, self.dtype = directory, manifest, np.dtype(dtype)
+        self.directory = directory
+        self.manifest = manifest
+        self.dtype = np.dtype(dtype)
         self._file = self._hash = None
-        self._name, self._count, self._capacity = "", 0, 0
+        self._name = ""
+        self._count = 0
+        self._capacity = 0
 
     @property
     def eval_done(self) -> bool:
@@ -156,11 +162,14 @@ class ShardWriter:
     def _open(self) -> None:
         settings = self.manifest["settings"]
         if self.eval_done:
-            self._name, self._capacity = train_file(len(self.manifest["train"])), settings["shard_tokens"]
+            self._name = train_file(len(self.manifest["train"]))
+            self._capacity = settings["shard_tokens"]
         else:
-            self._name, self._capacity = EVAL_FILE, settings["eval_tokens"]
+            self._name = EVAL_FILE
+            self._capacity = settings["eval_tokens"]
         self._file = (self.directory / (self._name + ".tmp")).open("wb")
-        self._hash, self._count = hashlib.sha256(), 0
+        self._hash = hashlib.sha256()
+        self._count = 0
 
     def _close(self, end: dict) -> None:
         """Finish the open file: flush, rename into place, then list it in the manifest (in this order: a
@@ -223,8 +232,11 @@ class TokenShards:
     """
 
     def __init__(self, directory: str | Path, num_shards: int, shard: int, window: int):
-        self.directory, self.manifest = Path(directory), load_manifest(directory)
-        self.num_shards, self.shard, self.window = num_shards, shard, window
+        self.directory = Path(directory)
+        self.manifest = load_manifest(directory)
+        self.num_shards = num_shards
+        self.shard = shard
+        self.window = window
         if window > BLOCK_TOKENS:
             raise DataError(f"data.seq_len={window - 1} is too long for prepared shards: use at most "
                             f"{BLOCK_TOKENS - 1}")

@@ -56,7 +56,8 @@ CHUNK_CHARS = 16_384
 def _chunks(text: str) -> list[str]:
     """``text`` in chunks of at most ``CHUNK_CHARS``, each (but the last) ending after a line end if it has one
     in its second half; a cut changes at most the tokens at the cut, the same way every time."""
-    chunks, start = [], 0
+    chunks = []
+    start = 0
     while len(text) - start > CHUNK_CHARS:
         cut = text.rfind("\n", start + CHUNK_CHARS // 2, start + CHUNK_CHARS) + 1 or start + CHUNK_CHARS
         chunks.append(text[start:cut])
@@ -74,8 +75,11 @@ class Tokenizer:
     """
 
     def __init__(self, name: str, vocab_size: int, eos_id: int | None, backend=None, hub=None):
-        self.name, self.vocab_size, self.eos_id = name, vocab_size, eos_id
-        self._backend, self._hub = backend, hub  # a tokenizers.Tokenizer, or a transformers tokenizer
+        self.name = name
+        self.vocab_size = vocab_size
+        self.eos_id = eos_id
+        self._backend = backend  # a tokenizers.Tokenizer, or a transformers tokenizer
+        self._hub = hub
 
     @property
     def dtype(self) -> np.dtype:
@@ -100,7 +104,8 @@ class Tokenizer:
             rows = [e.ids for e in self._backend.encode_batch(flat, add_special_tokens=False)]
         else:
             rows = self._hub(flat, add_special_tokens=False)["input_ids"]
-        out, at = [], 0
+        out = []
+        at = 0
         for text_chunks, end in zip(chunks, ends):
             parts = rows[at:at + len(text_chunks)] + ([[self.eos_id]] if end and self.eos_id is not None else [])
             out.append(np.concatenate([np.asarray(part, dtype=self.dtype) for part in parts]))

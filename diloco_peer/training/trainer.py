@@ -59,7 +59,8 @@ class Trainer:
     """
 
     def __init__(self, model: torch.nn.Module, corpus: Corpus, cfg: InnerConfig):
-        self.cfg, self.corpus = cfg, corpus
+        self.cfg = cfg
+        self.corpus = corpus
         self.device = pick_device(cfg.device)
         self.model = model.to(self.device)
         use_bf16 = cfg.precision == "bf16" or (
@@ -86,7 +87,9 @@ class Trainer:
     def train_steps(self, num_steps: int, should_stop=lambda: False) -> InnerStats:
         """Run up to ``num_steps`` inner steps; stops early (after a whole step) when ``should_stop()``."""
         self.model.train()
-        started, tokens, done = time.perf_counter(), 0, 0
+        started = time.perf_counter()
+        tokens = 0
+        done = 0
         loss_sum = torch.zeros((), device=self.device)
         lr = self.current_lr()
         for _ in range(num_steps):
