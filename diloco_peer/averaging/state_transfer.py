@@ -71,7 +71,8 @@ class ServedStates:
     """
 
     def __init__(self, averager):
-        self.averager, self.table = averager, averager.serving
+        self.averager = averager
+        self.table = averager.serving
         self._served: dict[int, list] = {}  # slot -> [generation, tensors, last NEXT seen, when it last moved]
         self.opened: tuple[int, int] | None = None
         """The (slot, generation) ``open`` gave last (the averager's ``get_current_state`` passes it on)."""
@@ -88,7 +89,8 @@ class ServedStates:
             for leftover in [*directory.glob("serve-*.bin"), *directory.glob("download-*.bin"),
                              *directory.glob("round-*.bin"), *directory.glob("replay-*.bin")]:
                 leftover.unlink(missing_ok=True)
-        self.spill_dir, self.in_memory_limit = directory, in_memory_limit
+        self.spill_dir = directory
+        self.in_memory_limit = in_memory_limit
 
     def readable(self, tensors: list[torch.Tensor]) -> list:
         """``tensors`` as the averager process can serve them (call it with the state locked): as they are if they
@@ -170,7 +172,8 @@ class ServedStates:
             if not self.table[slot, ACTIVE] or int(self.table[slot, GENERATION]) != generation:
                 del self._served[slot]
             elif int(self.table[slot, NEXT]) != seen:
-                entry[2], entry[3] = int(self.table[slot, NEXT]), now
+                entry[2] = int(self.table[slot, NEXT])
+                entry[3] = now
             elif now - moved > STALE:  # its stream is gone without a word (e.g. the averager process restarted)
                 self.table[slot, ACTIVE] = 0
                 del self._served[slot]
@@ -199,7 +202,8 @@ async def serve(averager, metadata: bytes, tensors: list[torch.Tensor], served: 
             await averager.faults.stall_serving(index - first)  # fault injection: a donor that goes silent
             copied = isinstance(tensor, SpilledTensor)  # written for this download: it never changes
             tensor = tensor.load() if copied else tensor
-            info, serialized = CompressionInfo.from_tensor(tensor, key=index), None
+            info = CompressionInfo.from_tensor(tensor, key=index)
+            serialized = None
             if copied:
                 serialized = compress(tensor, info, allow_inplace=False)
                 table[slot, NEXT] = index + 1
@@ -264,23 +268,14 @@ async def download(averager, donor: str, timeout: float, into: list[torch.Tensor
     stream = await asyncio.wait_for(_request(averager, donor, start, rounds), timeout)
     widen = (torch.float32,) if rounds is None else (torch.float32, torch.float16, torch.bfloat16)
     staging = into if into is not None else flat_tensors([t.shape for t in averager.inputs] * 2, shared=True)
-    metadata, tensors, parts, received, digests = None, list(staging[:start]), [], 0, None
-
-    def complete(parts) -> torch.Tensor:
-        if len(parts) != max(parts[0].chunks, 1):  # a stream that broke off: say so, not "invalid shape"
-            raise RuntimeError(f"the state download broke off: tensor {len(tensors)} came in "
-                               f"{len(parts)} of {parts[0].chunks} chunks")
-        tensor = deserialize(combine_from_streaming(parts))
-        index = len(tensors)
-        if index < len(staging) and tensor.shape == staging[index].shape and tensor.dtype in widen:
-            listed = digests is not None and int(resume[0]) == index and param_sha256([tensor]) == digests[index]
-            tensor = staging[index].copy_(tensor)  # (a file's item: written there, and the item comes back)
-            if listed:
-                resume[0] = index + 1
-        return tensor  # not our state's shape: kept as it came, for the checks to refuse with a clear message
-
-    total, started = sum(t.numel() * t.element_size() for t in staging[start:]), time.monotonic()
-    bound, reported = "at most " if rounds is not None else "", started  # (logged rounds may come as fp16: half)
+    arrived = _Arrivals(staging, start, resume, widen)
+    metadata = None
+    parts = []
+    received = 0
+    total = sum(t.numel() * t.element_size() for t in staging[start:])
+    started = time.monotonic()
+    bound = "at most " if rounds is not None else ""  # (logged rounds may come as fp16: half)
+    reported = started
     messages = aiter_with_timeout(stream, timeout=timeout)
     try:
         async for message in messages:
@@ -294,21 +289,55 @@ async def download(averager, donor: str, timeout: float, into: list[torch.Tensor
             if message.metadata:
                 metadata = averager.serializer.loads(message.metadata)
                 resuming = resume is not None and into is not None
-                digests = _listed(metadata, expected, len(staging)) if resuming else None
+                arrived.digests = _listed(metadata, expected, len(staging)) if resuming else None
             if not message.HasField("tensor_part"):
                 continue  # metadata alone (logged rounds: none to send)
             if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
-                tensors.append(complete(parts))
+                arrived.add(parts)
                 parts = []
             parts.append(message.tensor_part)
     finally:  # we hang up first, the donor waits for it (p2pd_internals.until_the_caller_hangs_up)
         await messages.aclose()
         await stream.aclose()
     if parts:
-        tensors.append(complete(parts))
+        arrived.add(parts)
     if metadata is None:
         raise RuntimeError("the donor declined to share its state")
-    return metadata, tensors, received
+    return metadata, arrived.tensors, received
+
+
+class _Arrivals:
+    """The tensors of one download, as they arrive: each one of our state's shape (and a dtype in ``widen``) goes
+    into its place in ``staging``, and one that matches the digest the donor lists for it moves ``resume`` on.
+
+    :param start: the tensors before it are in ``staging`` already (a resumed download)
+    """
+
+    def __init__(self, staging: list[torch.Tensor], start: int, resume: torch.Tensor | None,
+                 widen: tuple[torch.dtype, ...]):
+        self.staging = staging
+        self.resume = resume
+        self.widen = widen
+        self.tensors = list(staging[:start])
+        self.digests: list[str] | None = None
+        """The digest of each tensor as the donor lists it, if that list hashes to the state expected (``_listed``);
+        None: no tensor moves ``resume`` on."""
+
+    def add(self, parts) -> None:
+        """The next tensor, all its chunks in (``parts``)."""
+        if len(parts) != max(parts[0].chunks, 1):  # a stream that broke off: say so, not "invalid shape"
+            raise RuntimeError(f"the state download broke off: tensor {len(self.tensors)} came in "
+                               f"{len(parts)} of {parts[0].chunks} chunks")
+        tensor = deserialize(combine_from_streaming(parts))
+        index = len(self.tensors)
+        staging = self.staging
+        if index < len(staging) and tensor.shape == staging[index].shape and tensor.dtype in self.widen:
+            digests = self.digests
+            listed = digests is not None and int(self.resume[0]) == index and param_sha256([tensor]) == digests[index]
+            tensor = staging[index].copy_(tensor)  # (a file's item: written there, and the item comes back)
+            if listed:
+                self.resume[0] = index + 1
+        self.tensors.append(tensor)  # not our state's shape: kept as it came, for the checks to refuse clearly
 
 
 def _request(averager, donor: str, start: int, rounds: dict | None):

@@ -34,8 +34,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,6 +49,7 @@ from ..config.faults import NO_FAULTS, Faults
 from ..lifecycle import hivemind_calls
 from ..training.model import param_sha256, state_digest
 from ..training.outer_optimizer import OuterOptimizer
+from .sync_result import SyncResult, timed
 from .target import Target
 
 logger = logging.getLogger(__name__)
@@ -57,58 +57,6 @@ logger = logging.getLogger(__name__)
 FALLING_BEHIND = 3
 """Syncs in a row with no outer step of our own between them: at this many, the peer says why it is not catching
 up (a joiner whose download outlasts the swarm's rounds arrives one epoch late every time, and downloads again)."""
-
-
-@dataclass
-class SyncResult:
-    ok: bool
-    donor: str = ""
-    epoch: int = -1
-    seconds: float = 0.0
-    bytes: int = 0
-    attempts: int = 0
-    error: str = ""
-    donor_errors: list[str] = field(default_factory=list)
-    """Why each donor that was tried failed, in order (a later donor may still have succeeded)."""
-    rejected: list[str] = field(default_factory=list)
-    """Donors (peer ids) whose state failed the checks: what they publish does not hold."""
-    rounds: int = 0
-    """Rounds caught up with the updates a donor logged, instead of downloading the state (``round_log``)."""
-    moved_on: bool = False
-    """A donor sent a later epoch than the target: the swarm stepped on while we looked (ask for a new target)."""
-    later: tuple | None = field(default=None, repr=False)
-    """That later state, if sound: (donor, metadata, tensors). ``sync(reuse=this result)`` makes it ours if it is
-    what the swarm's new target names, instead of downloading it again."""
-    stages: dict[str, float] = field(default_factory=dict)
-    """Seconds spent in each stage: ``rounds`` (fetching and replaying logged updates, ``round_log.replay``),
-    ``download``, ``check`` (shapes, finite values, hashes) and ``load`` (into the outer weights and the replica).
-    At GB scale they say where a sync's time goes (a 1B joiner spent ~30 s between its download and the next)."""
-
-    def summary(self) -> str:
-        """What came from where, and how long each stage took (a state taken as kept ran none)."""
-        stages = "".join(f", {stage} {seconds:.2f}s" for stage, seconds in self.stages.items())
-        return f"{self.bytes / 1e6:.2f} MB from {self.donor[-8:]} in {self.seconds:.2f}s{stages}"
-
-    def after(self, earlier: "SyncResult") -> "SyncResult":
-        """This retry with an ``earlier`` attempt's cost and donor errors added: one record of the whole sync."""
-        for stage, seconds in earlier.stages.items():
-            self.stages[stage] = round(self.stages.get(stage, 0.0) + seconds, 3)
-        self.seconds += earlier.seconds
-        self.bytes += earlier.bytes
-        self.attempts += earlier.attempts
-        self.rounds += earlier.rounds
-        self.donor_errors[:0] = earlier.donor_errors
-        self.rejected[:0] = earlier.rejected
-        return self
-
-
-async def _timed(result: SyncResult, stage: str, work: Awaitable):
-    """``await work``, its seconds added to ``result.stages[stage]`` (also when it fails)."""
-    started = time.perf_counter()
-    try:
-        return await work
-    finally:
-        result.stages[stage] = round(result.stages.get(stage, 0.0) + time.perf_counter() - started, 3)
 
 
 class StateSync:
@@ -128,8 +76,13 @@ class StateSync:
     def __init__(self, averager: PseudoGradientAverager, outer: OuterOptimizer, fingerprint: str,
                  inner_steps: int, cfg: AveragingConfig, on_serve=None, *, faults: Faults = NO_FAULTS,
                  spill_dir: Path | None = None):
-        self.averager, self.outer, self.fingerprint = averager, outer, fingerprint
-        self.inner_steps, self.cfg, self.on_serve, self.faults = inner_steps, cfg, on_serve, faults
+        self.averager = averager
+        self.outer = outer
+        self.fingerprint = fingerprint
+        self.inner_steps = inner_steps
+        self.cfg = cfg
+        self.on_serve = on_serve
+        self.faults = faults
         self.lock = threading.Lock()
         """Held while the outer state changes, so that a peer never downloads a half-updated state."""
         outer.before_change.append(averager.served.freeze)  # a download in flight keeps the state it started with
@@ -159,7 +112,8 @@ class StateSync:
             self.behind.append((result.epoch, result.seconds))
         if not result.ok or not count or len(self.behind) != FALLING_BEHIND:
             return result
-        first, last = self.behind[0][0], self.behind[-1][0]
+        first = self.behind[0][0]
+        last = self.behind[-1][0]
         seconds = ", ".join(f"{s:.1f}" for _, s in self.behind)
         logger.warning(f"state sync: {len(self.behind)} syncs in a row with no round of our own between them (the "
                        f"swarm went from epoch {first} to {last} meanwhile; syncs of {seconds} s): its rounds end "
@@ -277,8 +231,9 @@ class StateSync:
             expected=target.state_hash), should_stop)
         # a staging file's items come back as copies of ours: ours, whose file lives as long as they are referenced
         tensors = [staging[i] if isinstance(t, SpilledTensor) else t for i, t in enumerate(tensors)]
-        if len(tensors) < len(staging):  # a reset stream (e.g. a relay's limit) ends like a complete one, between
-            # two tensors: a network fault, not the donor's offense
+        # a reset stream (e.g. a relay's limit) ends like a complete one, between two tensors: a network fault, not
+        # the donor's offense
+        if len(tensors) < len(staging):
             raise RuntimeError(f"the state download broke off after {len(tensors)} of {len(staging)} tensors")
         return metadata, tensors, received
 
@@ -293,8 +248,9 @@ class StateSync:
         donors = [p for p in target.holders if p != me]
         random.shuffle(donors)
         result = SyncResult(ok=False)
-        later, reuse = (reuse.later, reuse) if reuse is not None else (None, None)
+        later = None
         if reuse is not None:
+            later = reuse.later
             reuse.later = None  # ours now: its memory goes as soon as it is not the target
         if target.epoch < self.outer.epoch:
             result.error = f"refusing the state of epoch {target.epoch}: older than ours ({self.outer.epoch})"
@@ -308,34 +264,8 @@ class StateSync:
         staging = staging_for(self.outer.params, self.averager.served.spill_dir)
         resume = torch.zeros(1, dtype=torch.int64).share_memory_()
         try:
-            queue = [] if await self._replay(target, donors, result) else list(donors)
-            while queue and result.attempts < self.cfg.sync_attempts and not should_stop():
-                donor = queue.pop(0)
-                result.attempts += 1
-                try:
-                    metadata, tensors, received = await _timed(
-                        result, "download", self._download(donor, target, staging, resume, should_stop))
-                except asyncio.CancelledError:
-                    if not should_stop():
-                        raise  # cancelled from outside: not ours to swallow
-                    result.error = "stopped: asked to leave during the download"
-                    break
-                except Exception as e:
-                    result.error = f"donor {donor[-8:]}: {e}"
-                    result.donor_errors.append(result.error)
-                    logger.warning(f"state sync: {result.error}; trying another donor")
-                    queue.append(donor)  # a timeout or a broken stream may pass: it may be tried again, last
-                    continue
-                result.bytes += received
-                problem = await _timed(result, "check", asyncio.to_thread(self._check, metadata, tensors, target))
-                if problem:
-                    self._refused(donor, metadata, tensors, target, problem, result)
-                    if result.later is not None:
-                        break  # the swarm stepped on: ask for its new target (a later donor would overwrite this)
-                    continue
-                await _timed(result, "load", self._load(tensors, target, self.checked))
-                result.ok, result.donor, result.epoch = True, donor, target.epoch
-                break
+            if not await self._replay(target, donors, result):
+                await self._download_from(list(donors), target, staging, resume, should_stop, result)
             if not donors:
                 result.error = "no peer holds the swarm's state"
         finally:
@@ -343,19 +273,56 @@ class StateSync:
             result.seconds = time.perf_counter() - started
         return self._count_behind(result, count)
 
+    async def _download_from(self, queue: list[str], target: Target, staging: list[torch.Tensor],
+                             resume: torch.Tensor, should_stop: Callable[[], bool], result: SyncResult) -> None:
+        """Download ``target`` from the donors of ``queue`` in turn, until one's state passes the checks and is ours
+        (``result.ok``), ``averaging.sync_attempts`` were made, or ``should_stop()``; each attempt told in
+        ``result``. A donor whose download failed (a timeout, a broken stream: it may pass) is tried again, last."""
+        while queue and result.attempts < self.cfg.sync_attempts and not should_stop():
+            donor = queue.pop(0)
+            result.attempts += 1
+            try:
+                metadata, tensors, received = await timed(
+                    result, "download", self._download(donor, target, staging, resume, should_stop))
+            except asyncio.CancelledError:
+                if not should_stop():
+                    raise  # cancelled from outside: not ours to swallow
+                result.error = "stopped: asked to leave during the download"
+                return
+            except Exception as e:
+                result.error = f"donor {donor[-8:]}: {e}"
+                result.donor_errors.append(result.error)
+                logger.warning(f"state sync: {result.error}; trying another donor")
+                queue.append(donor)
+                continue
+            result.bytes += received
+            problem = await timed(result, "check", asyncio.to_thread(self._check, metadata, tensors, target))
+            if problem:
+                self._refused(donor, metadata, tensors, target, problem, result)
+                if result.later is not None:
+                    return  # the swarm stepped on: ask for its new target (a later donor would overwrite this)
+                continue
+            await timed(result, "load", self._load(tensors, target, self.checked))
+            result.ok = True
+            result.donor = donor
+            result.epoch = target.epoch
+            return
+
     async def _replay(self, target: Target, donors: list[str], result: SyncResult) -> bool:
         """Catch up with the rounds a donor logged since our state (``round_log.replay``), if it has them: asked
         whenever we are at most ``averaging.log_rounds`` behind (the ``rounds`` stage, loading included)."""
         if not donors or not 0 < target.epoch - self.outer.epoch <= self.cfg.log_rounds:
             return False
-        replayed = await _timed(result, "rounds", round_log.replay(
+        replayed = await timed(result, "rounds", round_log.replay(
             self.averager, self.outer, self.state_hash, target, self.inner_steps, self.cfg.sync_timeout, donors,
             self.cfg.log_rounds))
         if replayed is None:
             return False
         result.rounds, (result.donor, state, digests, result.bytes) = target.epoch - self.outer.epoch, replayed
-        await _timed(result, "rounds", self._load(state, target, digests))
-        result.ok, result.epoch, result.attempts = True, target.epoch, 1
+        await timed(result, "rounds", self._load(state, target, digests))
+        result.ok = True
+        result.epoch = target.epoch
+        result.attempts = 1
         return True
 
     async def _load(self, tensors: list[torch.Tensor], target: Target, digests: list[str]) -> None:
@@ -363,7 +330,8 @@ class StateSync:
         n = len(self.outer.params)
         with self.lock:
             await asyncio.to_thread(self.outer.load_state, tensors[:n], tensors[n:], target.epoch)
-            self.state_hash, self.digests = target.state_hash, digests
+            self.state_hash = target.state_hash
+            self.digests = digests
 
     async def _take(self, later: tuple, target: Target, result: SyncResult) -> bool:
         """Make ``later`` (``SyncResult.later``) ours if it is the state ``target`` names: the donor that had stepped
@@ -376,6 +344,8 @@ class StateSync:
         if state_digest(digests, epoch, metadata.get("inner_step")) != target.state_hash:
             return False
         await self._load(tensors, target, digests)
-        result.ok, result.donor, result.epoch = True, donor, target.epoch
+        result.ok = True
+        result.donor = donor
+        result.epoch = target.epoch
         logger.info(f"state sync: the state of epoch {epoch} that {donor[-8:]} sent is the swarm's now: taken")
         return True
