@@ -17,10 +17,11 @@ has (a last, shorter round), so that the score includes every step.
 
 Each fragment's round is computed as ``simulate.run_diloco`` computes a round over all parameters: its own
 ``OuterOptimizer`` over the fragment's parameters (the replica's own tensors, so that it loads into the
-replica), its pseudo-gradient through the codec, the reducers' part-by-part aggregation (``simulate.group_average``),
-and then either the outer step at once (blocking) or, overlapped, the previous average's outer step plus
-``overlap_offset`` from the own progress, with the average applied ``arrival`` inner steps after the sync
-(``correct_on_arrival``). With P = 1 this computes what ``run_diloco`` computes, to the bit (tests/test_simulate.py).
+replica), its pseudo-gradient through the codec, the reducers' part-by-part aggregation
+(``simulated_allreduce.group_average``), and then either the outer step at once (blocking) or, overlapped, the
+previous average's outer step plus ``overlap_offset`` from the own progress, with the average applied ``arrival``
+inner steps after the sync (``correct_on_arrival``). With P = 1 this computes what ``run_diloco`` computes, to the
+bit (tests/test_simulate.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import torch
 from ..averaging.compression import get_codec
 from ..config import PeerConfig
 from ..training.outer_optimizer import OuterOptimizer, correct_on_arrival, progress_since, replica_copy
-from .simulate import SimRun, allreduce_bytes, continue_overlapped, group_average, roundtrip_all, trainers_for
+from .simulate import SimRun, continue_overlapped, trainers_for
+from .simulated_allreduce import allreduce_bytes, group_average, roundtrip_all
 
 
 def fragments_of(model: torch.nn.Module, count: int) -> list[list[int]]:
@@ -41,7 +43,8 @@ def fragments_of(model: torch.nn.Module, count: int) -> list[list[int]]:
     sizes = [p.numel() for p in model.parameters()]
     if not 1 <= count <= len(sizes):
         raise ValueError(f"fragments={count}: the model has {len(sizes)} parameter tensors; pick 1..{len(sizes)}")
-    total, done = sum(sizes), 0
+    total = sum(sizes)
+    done = 0
     fragments: list[list[int]] = [[] for _ in range(count)]
     for index, size in enumerate(sizes):
         fragments[min(count - 1, (2 * done + size) * count // (2 * total))].append(index)
@@ -80,7 +83,9 @@ class _Fragment:
     def sync(self, cfg: PeerConfig, wire, codec: str, overlap: str, run: SimRun) -> int:
         """This fragment's round ends on every replica: average, outer step, next round's start. Returns the bytes
         all replicas together moved."""
-        own, sent, moved = [], [], 0
+        own = []
+        sent = []
+        moved = 0
         for outer, start in zip(self.outers, self.starts):
             if overlap == "blocking":
                 delta = outer.pseudo_gradient()
@@ -135,7 +140,8 @@ def run_streaming(cfg: PeerConfig, replicas: int, rounds: int, fragments: int, c
     fragment's sync and its average reaching the replicas (default: at the fragment's next sync). Eval loss is
     measured every H steps on the outer weights."""
     started = time.perf_counter()
-    H, wire = cfg.outer.inner_steps, get_codec(codec)
+    H = cfg.outer.inner_steps
+    wire = get_codec(codec)
     last = rounds * H
     run = SimRun(f"streaming-p{fragments}-k{replicas}-{codec}-{overlap}", "diloco", replicas, codec, overlap,
                  cfg.averaging.aggregation)

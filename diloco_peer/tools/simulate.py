@@ -26,23 +26,13 @@ average puts the outer weights, keeping its progress since (``correct_on_arrival
 end. The outer step itself is taken at the round's end either way. d = 0 computes what blocking rounds compute.
 Blocking mode (the default) waits for the average and restarts every round from the outer weights.
 
-Aggregation is the swarm's own: the pseudo-gradients are cut into the parts hivemind's all-reduce sends
-(``TensorPartContainer``, with ``averaging.part_size_bytes`` and the wire codec's size estimate), replica j
-reduces the j-th of K equal spans (the group's order taken as the replicas' order, bandwidths equal), and
-each part is averaged by ``robust_aggregation.aggregate``, the function the swarm's reducers call, with
-``averaging.aggregation``, ``max_update_ratio``, ``max_weight_ratio`` and ``min_cosine``: in ``mean`` mode the
-token-weighted mean (summed in sender order), in ``robust`` mode the cosine filter against the coordinate-wise
-median, clipping to the median norm and weight. Every contribution the swarm's checks would refuse (a reducer
-refusing a part, a member refusing a reducer's average with ``check_average``, a member refusing the whole
-update with ``refuse_update``) is counted in ``SimRun.refused``: in a swarm each one is an offense against an
-honest peer (two within ``ban_seconds`` ban it) and a round with values left un-averaged. The simulator
-applies the reducers' averages regardless (a refused sender is left out of the rest of that reducer's parts).
+Aggregation is the swarm's own, part by part (``simulated_allreduce.py``); every contribution the swarm's
+checks would refuse is counted in ``SimRun.refused`` (in a swarm, an offense against an honest peer).
 
 Eval loss is measured on the outer weights (in delayed mode they lag one round behind the replicas;
 the last round's average is applied when the run ends, so the final number includes every round).
-Bytes are what a butterfly all-reduce of K peers moves per peer and round, sent plus received:
-``2 * 2 (K-1)/K * encoded size``; for ``kx_batch`` the same formula for an fp32 gradient all-reduce
-every inner step (what DDP sends).
+Bytes are what a butterfly all-reduce of K peers moves per peer and round (``allreduce_bytes``); for
+``kx_batch`` the same for an fp32 gradient all-reduce every inner step (what DDP sends).
 """
 
 from __future__ import annotations
@@ -55,19 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from hivemind.averaging.partition import TensorPartContainer
 
-from ..averaging.averager import wire_compression
 from ..averaging.compression import ErrorFeedback, get_codec
-from ..averaging.robust_aggregation import (
-    BadContribution,
-    Limits,
-    aggregate,
-    check_average,
-    refuse_update,
-    vector_norm,
-)
-from ..config import AveragingConfig, InnerConfig, PeerConfig
+from ..config import InnerConfig, PeerConfig
 from ..observe.report import save_figure
 from ..training.data import Corpus
 from ..training.model import build_model
@@ -80,6 +60,7 @@ from ..training.outer_optimizer import (
     replica_copy,
 )
 from ..training.trainer import Trainer
+from .simulated_allreduce import allreduce_bytes, group_average, roundtrip_all
 
 
 @dataclass
@@ -108,11 +89,6 @@ class SimRun:
     def to_dict(self) -> dict:
         """The run as ``simulate.json`` holds it."""
         return {**self.__dict__, "final_eval_loss": self.eval_loss[-1], "final_ppl": self.final_ppl}
-
-
-def allreduce_bytes(replicas: int, payload: int) -> int:
-    """Bytes one of ``replicas`` peers sends and receives in a butterfly all-reduce of ``payload`` bytes."""
-    return 0 if replicas == 1 else round(2 * 2 * (replicas - 1) / replicas * payload)
 
 
 def _corpus(cfg: PeerConfig, shard: int, shards: int) -> Corpus:
@@ -171,49 +147,6 @@ def _local_round(trainer: Trainer, outer: OuterOptimizer, fb: ErrorFeedback | No
     return delta, arrived, size, tokens
 
 
-def _spans(tensors: list[torch.Tensor], reducers: int, codec: str, part_size_bytes: int) -> list[tuple[torch.Tensor]]:
-    """``tensors`` cut into the parts the swarm's all-reduce sends, per reducer (equal shares, in order)."""
-    container = TensorPartContainer(tensors, [1.0] * reducers, wire_compression(codec), part_size_bytes)
-    return [container.get_raw_input_parts(j) for j in range(reducers)]
-
-
-def _refuses(average: torch.Tensor, mine: torch.Tensor, limits: Limits) -> bool:
-    """Whether a member holding ``mine`` refuses a reducer's ``average`` of that part (``check_average``)."""
-    try:
-        check_average(average, mine, limits)
-    except BadContribution:
-        return True
-    return False
-
-
-def group_average(own: list[list[torch.Tensor]], sent: list[list[torch.Tensor]], weights: list[int], wire, codec: str,
-                  cfg: AveragingConfig) -> tuple[list[torch.Tensor], int]:
-    """The group's average as the swarm's reducers compute it, part by part (see the module docstring), after
-    crossing the wire back; and the number of contributions the swarm's checks would have refused.
-
-    :param own: each replica's pseudo-gradient as its averager holds it (what its checks compare with)
-    :param sent: each replica's pseudo-gradient as the reducers receive it (through the codec)
-    """
-    limits, k = Limits.of(cfg), len(sent)
-    sent_spans = [_spans(s, k, codec, cfg.part_size_bytes) for s in sent]
-    own_spans = [_spans(o, k, codec, cfg.part_size_bytes) for o in own]
-    averaged, refused = [], 0
-    for j in range(k):  # replica j reduces span j: its own part is the reference of the checks
-        dropped: set[int] = set()  # a refused sender is out of the rest of this reducer's parts (ban_sender)
-        for p in range(len(sent_spans[j][j])):
-            parts = {s: (sent_spans[s][j][p], float(weights[s])) for s in range(k) if s not in dropped}
-            result, bad = aggregate(parts, j, limits)
-            dropped |= {s for s, _ in bad}
-            result, _ = wire.roundtrip(result)  # the reducer's reply crosses the wire
-            members = [own_spans[m][j][p] for m in range(k) if m != j]
-            refused += len(bad) + sum(_refuses(result, mine, limits) for mine in members)
-            averaged.append(result.flatten())
-    flat = torch.cat(averaged)
-    average = [t.view_as(s) for t, s in zip(flat.split([s.numel() for s in sent[0]]), sent[0])]
-    refused += sum(bool(refuse_update(average, vector_norm(o), cfg.max_update_ratio)) for o in own)
-    return average, refused
-
-
 def continue_overlapped(outer: OuterOptimizer, start: list[torch.Tensor], pending: list[torch.Tensor] | None,
                         overlap: str) -> None:
     """Overlap at the end of a round, for one replica (``outer.model``): the previous round's average
@@ -228,6 +161,19 @@ def continue_overlapped(outer: OuterOptimizer, start: list[torch.Tensor], pendin
     with torch.no_grad():
         for p, d in zip(outer.model.parameters(), overlap_offset(outer, overlap, progress)):
             p.add_(d.to(p.device, p.dtype))
+
+
+def _apply(outers: list[OuterOptimizer], starts: list[list[torch.Tensor]], average: list[torch.Tensor],
+           pending: list[torch.Tensor] | None, overlap: str) -> list[torch.Tensor] | None:
+    """The end of a round for every replica: blocking, the outer step with this round's ``average``; overlapped,
+    ``continue_overlapped`` with the previous round's (``pending``). Returns what is pending now."""
+    if overlap == "blocking":
+        for outer in outers:
+            outer.step(average)
+        return pending
+    for outer, start in zip(outers, starts):
+        continue_overlapped(outer, start, pending, overlap)
+    return average
 
 
 def arrival_step(arrival, rnd: int, replica: int, H: int) -> int:
@@ -263,7 +209,9 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
     tokens = all_bytes = 0
     for rnd in range(1, rounds + 1):
         starts = [replica_copy(t.model) for t in trainers]  # (fp32 on the host, as the swarm keeps it)
-        weights, own, sent = [], [], []
+        weights = []
+        own = []
+        sent = []
         for i, (trainer, outer, fb, start) in enumerate(zip(trainers, outers, feedback, starts)):
             arrived = None if pending is None else (arrival_step(arrival, rnd, i, cfg.outer.inner_steps), pending)
             held, delta, size, trained = _local_round(trainer, outer, fb, start, wire, overlap,
@@ -278,13 +226,7 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
         else:
             average, refused = group_average(own, sent, weights, wire, codec, cfg.averaging)
             run.refused += refused
-        if overlap == "blocking":
-            for outer in outers:
-                outer.step(average)
-        else:
-            for outer, start in zip(outers, starts):
-                continue_overlapped(outer, start, pending, overlap)
-            pending = average
+        pending = _apply(outers, starts, average, pending, overlap)
         if on_round is not None:
             on_round(rnd, outers[0].params)
         run.tokens.append(tokens)
@@ -298,16 +240,6 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
     return run
 
 
-def roundtrip_all(codec, tensors):
-    """``tensors`` encoded and decoded by ``codec``, as they arrive; and their encoded size in bytes."""
-    out, total = [], 0
-    for t in tensors:
-        restored, size = codec.roundtrip(t)
-        out.append(restored)
-        total += size
-    return out, total
-
-
 def run_baseline(cfg: PeerConfig, kind: str, replicas: int, rounds: int,
                  init: dict[str, torch.Tensor] | None = None) -> SimRun:
     """``single`` (batch B) or ``kx_batch`` (batch K*B) for rounds*H inner steps on the whole corpus."""
@@ -319,7 +251,8 @@ def run_baseline(cfg: PeerConfig, kind: str, replicas: int, rounds: int,
     run = SimRun(f"{kind}-k{replicas}" if kind == "kx_batch" else "single", kind, workers)
     run.tokens.append(0)
     run.eval_loss.append(trainer.evaluate())
-    H, tokens = cfg.outer.inner_steps, 0
+    H = cfg.outer.inner_steps
+    tokens = 0
     gradient_bytes = 4 * sum(p.numel() for p in trainer.model.parameters())
     for _ in range(rounds):
         tokens += trainer.train_steps(H).tokens
