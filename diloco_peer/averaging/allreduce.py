@@ -14,10 +14,11 @@
    member gets back is checked (shape, finite, weight, norm; direction in robust mode) before use; an
    offender is dropped from the round and reported through ``on_offense``.
 5. **Silent members are asked, then dropped** (``member_silence.py``): one that says nothing and answers nothing
-   leaves the round within seconds instead of hivemind's 30-45 s timeouts.
+   leaves the round within seconds instead of hivemind's timeouts (half and three quarters of the all-reduce's).
 6. **Streams end from the member's side.** A member hangs up once it has every average of a reducer, and the
    reducer waits for that: a reducer that hung up first could lose its last averages on the way
-   (``p2pd_internals.until_the_caller_hangs_up``; seen as partial rounds, "received 93.1% results").
+   (``p2pd_internals.until_the_caller_hangs_up``; seen as partial rounds: BENCHMARKS.md, "Reliability: streams
+   that end early").
 
 Two of hivemind's private methods are copied here and changed (``_communicate_with_peer``,
 ``_accumulate_parts_streaming``): ``hivemind_internals.INVENTORY`` records the sha256 of the originals, so
@@ -257,9 +258,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Our exchange with reducer ``peer_id`` failed. If it has not begun to send us its own parts either, and
         our p2pd's connection to it goes away within ``GONE_WITHIN`` seconds, it is gone (a crash mid-round: its
         averager died at once, and the reaper takes its p2pd within half a second): drop it as a sender now.
-        hivemind would wait ``sender_timeout`` for parts that never come (a 30 s round with the default
-        ``allreduce_timeout``, where the others took 0.4 s). A reducer that stays connected (a stream reset while
-        both ends live on) or that begins to send keeps its place. (If we reduce nothing, nobody sends to us.)"""
+        hivemind would wait ``sender_timeout`` for parts that never come, the whole group with it (measured:
+        BENCHMARKS.md, "Reliability: a member that dies (or freezes) before it sends"). A reducer that stays
+        connected (a stream reset while both ends live on) or that begins to send keeps its place. (If we reduce
+        nothing, nobody sends to us.)"""
         if not self.parts_for_local_averaging:
             return
         deadline = time.monotonic() + GONE_WITHIN

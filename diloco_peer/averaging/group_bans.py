@@ -3,8 +3,8 @@
 Each peer bans on its own evidence (``robust_aggregation.BanList``: its averager refused that peer's
 contributions repeatedly), so honest peers ban an attacker in different rounds: the reducers of its parts
 see its offenses first. Refusing a group only once it has formed cost everyone a round: the member that
-refused stepped alone, and the others waited out a sender timeout for its parts (a 45 s round, 73,824 values
-left un-averaged, in the attack that found it).
+refused stepped alone, and the others waited out a sender timeout for its parts (measured in the attack that found
+it: BENCHMARKS.md, "Robust aggregation: what it costs and what it stops", "Bans the group agrees on").
 
 So every member's join request carries the peers it bans (``bans`` in its gather data, see
 ``averaging/averager.py``), and the group's leader, before it forms the group, leaves out members until no

@@ -3,9 +3,10 @@
 A member that crashes resets its connections, and the others drop it at once (``allreduce.py``,
 ``_drop_if_gone``). One whose laptop went to sleep, whose link died without a reset, or whose averager hangs
 keeps its connections up and sends nothing through them. hivemind's only answer is a timeout per message:
-``sender_timeout`` for a sender's next part (half of ``averaging.allreduce_timeout``: 30 s) and
-``reducer_timeout`` for a reducer's next average (45 s); the whole group waited 45 s for such a member
-(``bench/dead_member.py --fault freeze``).
+``sender_timeout`` for a sender's next part (half of ``averaging.allreduce_timeout``) and ``reducer_timeout`` for
+a reducer's next average (three quarters of it); the whole group waited out the reducer timeout for such a member
+(``bench/dead_member.py --fault freeze``; measured: BENCHMARKS.md, "Reliability: a member that dies (or freezes)
+before it sends").
 
 Silence alone proves nothing: a reducer says nothing until every sender's part is in, and a member on a slow uplink
 may take seconds between two messages to us. So a member we wait on that has said nothing for ``SILENT_AFTER``

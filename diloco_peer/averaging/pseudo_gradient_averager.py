@@ -315,8 +315,8 @@ class PseudoGradientAverager(DecentralizedAverager):
                 others = [p for p in group_info.peer_ids if p != self.peer_id]
                 await asyncio.gather(*(self._withdraw_from(p, group_id) for p in others))
                 # and no retry: its matchmaking would clear hivemind's "groups registered" event, and a member whose
-                # part reaches us only now would wait on it for a group that is gone (a reducer timeout, measured
-                # 15 s), where without it the part is answered BAD_GROUP_ID at once
+                # part reaches us only now would wait on it for a group that is gone (a reducer timeout), where
+                # without it the part is answered BAD_GROUP_ID at once
                 internals.forbid_retries(self._step_control)
                 raise error
 

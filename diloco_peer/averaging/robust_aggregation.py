@@ -80,17 +80,17 @@ def _norm(t: torch.Tensor) -> float:
 
 SORTING_NETWORK_MAX = 32
 """``coordinate_median`` sorts by a network of element-wise min/max up to this many parts: k (k - 1) / 2
-comparators, each two passes over the part, against ``torch.median(dim=0)``'s per-column sort (tiny-cpu's parts
-of 73,728 values, one thread: 0.07 ms against 3.1 ms for 3 parts, 0.8 against 9.1 for 8, 8.1 against 32.5 for 24)."""
+comparators, each two passes over the part, faster than ``torch.median(dim=0)``'s per-column sort at every count
+measured (BENCHMARKS.md, "Robust aggregation: what it costs and what it stops", "What it costs in time")."""
 
 
 def coordinate_median(parts: list[torch.Tensor]) -> torch.Tensor:
     """The coordinate-wise median of equally shaped ``parts`` (the lower of the two middle values for an even
     count): the values of ``torch.stack(parts).median(dim=0)`` (a zero's sign may differ, which no cosine sees),
     sorted by an odd-even transposition network of ``torch.minimum``/``torch.maximum`` instead of a sort per
-    column. It runs on a reducer's event loop for every part of every round: with torch's sort, the robust
-    aggregation took ~37 ms of each reducer's round in a 3-peer tiny-cpu swarm on 2 cores, most of it the
-    median, and the exchange 0.17 s where the plain mean's took 0.11 s (``bench/round_latency.py``)."""
+    column. It runs on a reducer's event loop for every part of every round, and with torch's sort the median was
+    most of what robust aggregation cost a loopback exchange (``bench/round_latency.py``; measured:
+    BENCHMARKS.md, "Robust aggregation: what it costs and what it stops", "What it costs in time")."""
     if len(parts) > SORTING_NETWORK_MAX:
         return torch.stack(parts).median(dim=0).values
     rows = list(parts)
@@ -102,8 +102,8 @@ def coordinate_median(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN or infinity in floating-point ``t``: its minimum and maximum are finite (a NaN anywhere makes both
-    NaN). One pass and no temporary, where ``torch.isfinite(t).all()`` first writes a bool per value: 1.2 GB (a
-    llama-150m state) checked in 0.07 s instead of 1.72 s on one core of the development machine."""
+    NaN). One pass and no temporary, where ``torch.isfinite(t).all()`` first writes a bool per value: a state
+    sync's checks became many times faster (measured: BENCHMARKS.md, "Where a state sync's time goes")."""
     if t.numel() == 0:
         return True
     low, high = torch.aminmax(t.detach())
@@ -112,9 +112,9 @@ def all_finite(t: torch.Tensor) -> bool:
 
 def _direction(what: str, cosine: float, limits: Limits) -> BadContribution:
     """A reducer's direction refusal. The cosine is a judgment, not a proof: an honest peer whose part is off for a
-    while (seen: -0.01 to -0.20 after a relay loss) is refused but not counted towards a ban unless it points clearly
-    against the group (below ``ban_cosine``; a sign flip measured -0.77 to -0.97). A refused part never reaches the
-    average either way."""
+    while (seen slightly below zero after a relay loss) is refused but not counted towards a ban unless it points
+    clearly against the group (below ``ban_cosine``, where sign flips were measured: BENCHMARKS.md, "Robust
+    aggregation: what it costs and what it stops"). A refused part never reaches the average either way."""
     counts = cosine < limits.ban_cosine
     note = "" if counts else f"; not counted towards a ban (averaging.ban_cosine={limits.ban_cosine:g})"
     return BadContribution("direction", f"{what} {cosine:.2f} (averaging.min_cosine={limits.min_cosine:g}){note}",

@@ -145,9 +145,9 @@ class OuterConfig(_Section):
     inner_steps: int = Field(50, ge=1)
     """H: inner steps between two outer rounds."""
     lr: float = Field(0.7, gt=0)
-    """Outer learning rate. Default 0.7 for blocking rounds (DiLoCo's), 0.35 for overlapped ones: measured best
-    for eager rounds (K=4, H=10, 30 rounds, fp32: 0.7 ended +31% ppl vs blocking, 0.5 +10%, 0.35 +4%, 0.25 +5%;
-    BENCHMARKS.md, the overlap study)."""
+    """Outer learning rate. Default 0.7 for blocking rounds (DiLoCo's), 0.35 for overlapped ones, where an outer
+    step that lands a round late overshoots at 0.7: the best of the rates tried for eager rounds (measured:
+    BENCHMARKS.md, "Overlap and model quality: eager rounds")."""
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
     momentum_on: Literal["device", "host"] = "device"
@@ -166,8 +166,8 @@ class OuterConfig(_Section):
     passed the round's checks, move the replica onto where it puts the outer weights, keeping the progress made
     since (``training.outer_optimizer.correct_on_arrival``). The outer step itself, the epoch and the state
     hash still change at the end of round t+1. ``false``: the stand-in lasts the whole round t+1. Each peer's
-    own choice (the outer weights are the same either way). Measured (K=4, H=10, int8, 30 rounds; BENCHMARKS.md):
-    eager ends +0.6% ppl vs blocking with the average at inner step 1, +2.4% at step 5, +4.0% at the end."""
+    own choice (the outer weights are the same either way). The sooner the average arrives, the closer eager rounds
+    end to blocking ones (measured: BENCHMARKS.md, "The average applied as soon as it arrives")."""
 
     @model_validator(mode="before")
     @classmethod
@@ -206,10 +206,11 @@ class AveragingConfig(_Section):
     the most it waits for the live peers the round gate saw."""
     start_when_complete: bool = True
     """A group that holds every peer the round gate saw alive starts its all-reduce at once instead of at the end
-    of ``matchmaking_time`` (blocking rounds: 0.80 instead of 0.60 of the time training on 20 Mbit/s links; on
-    loopback the demo's all-reduce column falls from ~3.2 s to ~0.5 s). Alive counts every live record, trusted or
-    not: a group filled up by the trusted ones alone turned an honest peer away when a distrusted liar came to
-    average too (an honest peer 5% over the clean run's eval loss). False: every group gathers for the window."""
+    of ``matchmaking_time``: blocking rounds spend much more of their time training, and a loopback round's
+    all-reduce takes a fraction of the window (measured: BENCHMARKS.md, "Hiding the network", "What the numbers
+    say", "Blocking rounds need not idle"). Alive counts every live record, trusted or not: a group filled up by
+    the trusted ones alone turned an honest peer away when a distrusted liar came to average too (same place).
+    False: every group gathers for the window."""
     request_timeout: float = Field(2.0, gt=0)
     allreduce_timeout: float = Field(60.0, gt=0)
     """Seconds after which an all-reduce is abandoned and the round falls back to a solo step."""
@@ -221,8 +222,9 @@ class AveragingConfig(_Section):
     part_size_bytes: int = Field(2**19, ge=4096, le=2**26)
     """The all-reduce sends the pseudo-gradient in parts of up to this many bytes (after compression). A reducer
     answers a part once every sender's copy of it arrived, so a round ends one part (per sender) after the last
-    byte: smaller parts shorten that tail. 65536 measured 0.85-0.87 of a TCP stream on a 20 Mbit/s link where
-    hivemind's default 512 KiB (kept as ours) gave 0.80 (BENCHMARKS.md)."""
+    byte: smaller parts shorten that tail, a little nearer a TCP stream's rate on a slow link than hivemind's
+    default (kept as ours; measured: BENCHMARKS.md, "Hiding the network", "What the numbers say", "All-reduce
+    efficiency")."""
     sync_timeout: float = Field(30.0, gt=0)
     """State sync: seconds to wait for each chunk of a state download before trying another donor."""
     sync_attempts: int = Field(3, ge=1)
@@ -250,10 +252,10 @@ class AveragingConfig(_Section):
     """``robust`` (the default): a reducer drops parts pointing against the group (cosine with the coordinate-wise
     median below ``min_cosine``, groups of 3+, parts of 1024 values or more), clips the rest to the median norm
     and the weights to the median weight, so that no single member can move the average far. Its cost on honest
-    rounds is within noise (final eval loss against ``mean``: -0.31% to +0.18% at K=4 and K=8, simulator, 30
-    rounds, int8 and fp32). ``mean``, the token-weighted mean, takes in any update under ``max_update_ratio``: a
-    forked client sending -3x its pseudo-gradient cost 3 honest peers +115% eval loss in 8 rounds and was never
-    banned; under ``robust`` it was banned in round 2 (BENCHMARKS.md). ``join`` warns when it runs ``mean``."""
+    rounds is within noise. ``mean``, the token-weighted mean, takes in any update under ``max_update_ratio``: a
+    forked client sending its pseudo-gradient negated and scaled up wrecked the honest peers' eval loss and was
+    never banned, where ``robust`` banned it within two rounds (measured: BENCHMARKS.md, "Robust aggregation: what
+    it costs and what it stops"). ``join`` warns when it runs ``mean``."""
     min_cosine: float = Field(0.0, ge=-1.0, le=1.0)
     """Robust aggregation: the lowest cosine similarity a part may have with the group's coordinate-wise
     median (groups of 3 or more; two cannot tell which of them is off)."""
@@ -261,11 +263,12 @@ class AveragingConfig(_Section):
     """Robust aggregation: a part a reducer refuses for its direction counts towards a ban (``ban_after``) only if
     its cosine is below this as well; between ``ban_cosine`` and ``min_cosine`` it is refused, not counted. A
     refusal keeps the part out of the average; a ban shuts a peer out of our groups and downloads for
-    ``ban_seconds``, with no way back for an honest peer that was off for a while. Measured (tiny-cpu, H=10):
-    a sign flip at -0.77 to -0.97; honest parts at 0.09 or more in clean runs, and -0.01 to -0.20 from an
-    honest peer in a CI run after a relay loss, which two offenses then banned (BENCHMARKS.md). Set it to
-    ``min_cosine`` to count every such refusal. (A member refusing a reducer's averages by direction, judged
-    against its own part alone, counts it only if another reducer's averages passed: ``allreduce.py``.)"""
+    ``ban_seconds``, with no way back for an honest peer that was off for a while. Sign flips measured far below
+    the default, honest parts in clean runs above zero, and an honest peer after a relay loss slightly below it,
+    which two offenses then banned (measured: BENCHMARKS.md, "Robust aggregation: what it costs and what it
+    stops"). Set it to ``min_cosine`` to count every such refusal. (A member refusing a reducer's averages by
+    direction, judged against its own part alone, counts it only if another reducer's averages passed:
+    ``allreduce.py``.)"""
     ban_after: int = Field(2, ge=1)
     """Refused contributions (any kind) within ``ban_seconds`` after which a peer is banned: it cannot join
     our groups, be in a group we average in, or download our state."""

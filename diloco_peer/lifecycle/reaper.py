@@ -27,16 +27,15 @@ a peer SIGKILLed while it joins, between two attempts to reach a bootstrap, left
 (seen on a loaded machine: the children were only watched once joined). Children of a C library's fork
 are seen at the next such fork; the owner may also name them (``watch``). Never torch's shared-memory manager
 (``SHM_MANAGER``): when its clients die it unlinks the shared memory they made, and killed with them it left every
-segment in /dev/shm, RAM gone until a reboot (a SIGKILLed llama-150m peer: 2.4 GB; 14 GB had piled up on the
-development machine).
-It lives in its own session, so a Ctrl+C or a kill of its parent's process group does not take it down
-before its job is done.
+segment in /dev/shm, RAM gone until a reboot (measured: BENCHMARKS.md, "Memory per parameter at llama-150m").
+It lives in its own session, so a Ctrl+C or a kill of its parent's process group does not take it down before its
+job is done.
 
-For a parent that is still alive: ``exit_with_children`` (exit at once, children killed), ``kill_leftovers``
-(after a leave, what did not stop), ``stop_in_order``
-(pass a stop signal on and wait, within a deadline, until every process under the children is gone too),
-``kill_trees`` and ``remove_namespace``; at a peer's start, ``remove_orphaned_segments`` (what dead processes left
-in /dev/shm). This module imports nothing of the package: anything may use it.
+For a parent that is still alive: ``exit_with_children`` (exit at once, children killed), ``kill_leftovers`` (after
+a leave, what did not stop), ``stop_in_order`` (pass a stop signal on and wait, within a deadline, until every
+process under the children is gone too), ``kill_trees`` and ``remove_namespace``; at a peer's start,
+``remove_orphaned_segments`` (what dead processes left in /dev/shm). This module imports nothing of the package:
+anything may use it.
 """
 
 from __future__ import annotations

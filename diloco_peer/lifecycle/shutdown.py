@@ -11,10 +11,13 @@ alone: we stop our children as we leave, through hivemind's pipes, and kill what
 (``daemon.PeerDaemon._kill_leftover_children``, the reaper). So a child forked from us (hivemind's DHT and
 averager processes) leaves our process group (``_forked_child``), and the libp2p daemon (p2pd) the DHT process
 starts is in the child's group. p2pd used to get the group's SIGTERM or SIGINT and close at once: the DHT could
-no longer withdraw our record (a 5 s wait), the averager no longer unregister (a traceback), and leaving took
-9.5 s instead of 2 (``test_lifecycle.py``). (systemd's ``KillMode=control-group`` signals p2pd all the same.) A forked child also stops sharing our event loop's signal wakeup fd (it inherits it: its
-SIGTERM was written into *our* loop, which took it for a second signal and exited at once) and lets a SIGTERM
-or SIGHUP sent to its own pid pass, silently (``pkill`` by name matches it: it has our command line).
+no longer withdraw our record (and waited out its timeout), the averager no longer unregister (a traceback), and
+leaving took several times as long (``test_lifecycle.py``; measured: BENCHMARKS.md, "Leaving and installing").
+(systemd's ``KillMode=control-group`` signals p2pd all the same.)
+
+A forked child also stops sharing our event loop's signal wakeup fd (it inherits it: its SIGTERM was written into
+*our* loop, which took it for a second signal and exited at once) and lets a SIGTERM or SIGHUP sent to its own pid
+pass, silently (``pkill`` by name matches it: it has our command line).
 
 The deadline is a daemon thread, not a timer of the event loop: it fires whatever the main thread is stuck in
 (a blocking call, the loop closing). It is armed by the first signal and, for a run that ends by itself

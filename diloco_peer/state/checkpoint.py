@@ -249,7 +249,8 @@ def write_atomically(state: PeerState, path: Path) -> int:
     try:
         with tmp.open("wb") as f:
             # torch.save's own writer, minus the CRC32 of every record: torch.load never checks it, and computing
-            # it (~0.7 GB/s here) is most of what the next inner step would wait for (the rename is the integrity)
+            # it is most of what the next inner step would wait for (the rename is the integrity; measured:
+            # BENCHMARKS.md, "Memory per parameter at llama-150m")
             writer = torch._C.PyTorchFileWriter(f, False, serialization._get_storage_alignment())
             try:
                 records = _Records(writer, _storage_groups(obj), state.snapshot)

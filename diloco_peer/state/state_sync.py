@@ -340,7 +340,8 @@ class StateSync:
         epoch = metadata["epoch"]
         if epoch != target.epoch:
             return False
-        digests = await asyncio.to_thread(lambda: [param_sha256([t]) for t in tensors])  # hashed again: ~1.8 GB/s
+        # hashed again, a few seconds at GB scale (BENCHMARKS.md, "State sync against raw TCP on a shaped link")
+        digests = await asyncio.to_thread(lambda: [param_sha256([t]) for t in tensors])
         if state_digest(digests, epoch, metadata.get("inner_step")) != target.state_hash:
             return False
         await self._load(tensors, target, digests)

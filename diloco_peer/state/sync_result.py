@@ -31,7 +31,7 @@ class SyncResult:
     stages: dict[str, float] = field(default_factory=dict)
     """Seconds spent in each stage: ``rounds`` (fetching and replaying logged updates, ``round_log.replay``),
     ``download``, ``check`` (shapes, finite values, hashes) and ``load`` (into the outer weights and the replica).
-    At GB scale they say where a sync's time goes (a 1B joiner spent ~30 s between its download and the next)."""
+    At GB scale they say where a sync's time goes (BENCHMARKS.md, "Where a state sync's time goes")."""
 
     def summary(self) -> str:
         """What came from where, and how long each stage took (a state taken as kept ran none)."""

@@ -178,18 +178,26 @@ class SwarmProgress:
     """
 
     POLL_SECONDS = 0.5
-    FAST_POLL_SECONDS, FAST_POLL_WINDOW, SWARM_POLLS_PER_SECOND = 0.05, 5.0, 100
-    """The round gate polls every 0.05 s for its first 5 s (in a swarm of more than 5 peers every n / 100 s, so
-    that the gates of n peers poll 100 times a second together, up to ``POLL_SECONDS``): ready peers usually
-    arrive within a second of each other, and the last one's matchmaking waits for the others' next poll, every
-    round (polls of 0.5 s cost it up to 0.5 s; 0.1 s ones a loopback round's all-reduce 0.31-0.44 s where 0.05 s
-    ones measured 0.27-0.36 s). Longer waits (a straggler) poll at ``POLL_SECONDS``, to keep the DHT load of a
-    large swarm down. A gate told that the round's last peer is ready (``nudged``) reads at once instead."""
+    """Seconds between the round gate's reads of the records once it has waited ``FAST_POLL_WINDOW`` (a straggler):
+    a slow poll keeps the DHT load of a large swarm down."""
+    FAST_POLL_SECONDS = 0.05
+    """Seconds between the gate's reads for its first ``FAST_POLL_WINDOW``: ready peers usually arrive within a
+    second of each other, and the last one's matchmaking waits for the others' next poll, every round, so a poll's
+    interval is what a waiting peer may lose of the round (measured: BENCHMARKS.md, "Hiding the network", "What the
+    numbers say"). A gate told that the round's last peer is ready (``nudged``) reads at once instead."""
+    FAST_POLL_WINDOW = 5.0
+    """Seconds the gate polls fast before it falls back to ``POLL_SECONDS``."""
+    SWARM_POLLS_PER_SECOND = 100
+    """In a swarm of more than 5 peers the fast polls come every n / 100 s instead (up to ``POLL_SECONDS``): the
+    gates of n peers read the DHT this many times a second together."""
     NUDGE_GAP = 0.005
     """Seconds between two looks at ``nudged`` while the gate waits: also the shortest wait between two reads."""
 
     def __init__(self, dht: DHT, run_id: str, peer_id: str, heartbeat: float, *, faults: Faults = NO_FAULTS):
-        self.dht, self.run_id, self.heartbeat, self.faults = dht, run_id, heartbeat, faults
+        self.dht = dht
+        self.run_id = run_id
+        self.heartbeat = heartbeat
+        self.faults = faults
         self.key = f"{run_id}_progress"
         self.subkey = add_progress_validators(dht, run_id)
         self.record = ProgressRecord(peer_id=peer_id, epoch=0, inner_step=0, tokens=0, ready=False, joined=False,

@@ -12,11 +12,12 @@ module decides which of them a peer needs, at start-up and then every ``swarm.re
   leads a group nor reduces a part.
 
 Why our own dial-back and not libp2p's AutoNAT: AutoNAT servers refuse to dial non-public addresses (in a
-LAN or an emulated internet it never decides) and need several servers and ~15 s; the relay service runs
-only on nodes whose reachability is *public*, so bootstraps force it. The dial-back comes from a separate
-p2pd with its own identity (the *prober*): a dial from the node we are already connected to would reuse
-that connection and always succeed. The probe service dials only the IP the request came from, or a
-circuit through itself, so it cannot be used to make a bootstrap dial third parties.
+LAN or an emulated internet it never decides) and need several servers and many seconds (measured:
+BENCHMARKS.md, "Notes from the NAT work"); the relay service runs only on nodes whose reachability is *public*,
+so bootstraps force it. The dial-back comes from a separate p2pd with its own identity (the *prober*): a dial
+from the node we are already connected to would reuse that connection and always succeed. The probe service dials
+only the IP the request came from, or a circuit through itself, so it cannot be used to make a bootstrap dial third
+parties.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ DIAL_TIMEOUT = 3.0
 """Seconds the prober waits for one dial: a home router that drops SYNs never answers at all."""
 MAX_CANDIDATES = 3
 RELAY_WAIT = 10.0
-"""Seconds a NAT'd peer waits for its first relay reservation (it takes ~0.1 s when the relay is up)."""
+"""Seconds a NAT'd peer waits for its first relay reservation (far less when the relay is up: BENCHMARKS.md,
+"Notes from the NAT work")."""
 
 
 def free_port_addrs(host_maddrs: list[str]) -> list[str]:

@@ -3,7 +3,7 @@
 p2pd runs *two* relays on one hop protocol (its main.go and daemon.go): one with the configured limits (4 GiB
 and 30 min per relayed connection), started once the node is (forced) public, and go-libp2p's default one
 (128 KiB and 2 min), which it always starts. The one registered last serves, for good; with the default one,
-relayed all-reduces and state downloads break off after ~100-500 KB. Relay nodes therefore start p2pd with
+relayed all-reduces and state downloads break off within their first MB. Relay nodes therefore start p2pd with
 ``RELAY_ENV``, and both sides check what a relay grants by asking it for a slot as auto-relay does
 (``circuit_limit``): bootstraps restart until theirs is right, NAT'd peers do not count on one that is not.
 The p2pd flags hivemind's ``P2P.create`` does not expose go through ``p2pd_internals.p2pd_flags``.
@@ -27,10 +27,10 @@ GOOD_CIRCUIT_BYTES = 1 << 30
 """A relay that resets a relayed connection sooner (go-libp2p's default: after 128 KiB) cannot carry averaging."""
 RELAY_ENV = {"GOMAXPROCS": "1"}
 """Environment of a relay's p2pd. Of its two relays (``ProbeService.relay_limit``) the one registered last serves;
-with one Go thread that was the configured one in 40 of 40 starts here (30 idle, 10 with both cores busy), with
-the default threads in 5 of 26 (0 of 10 in one idle run). One thread carried the NAT tests' relayed rounds (~4 MB
-per peer and round); a busy relay's throughput with it, and that of a peer that opts in (``swarm.relay_service``,
-whose own averaging traffic goes through the same daemon), are not measured."""
+with one Go thread that was the configured one in every start measured, with the default threads rarely
+(measured: BENCHMARKS.md, "Notes from the NAT work"). One thread carried the NAT tests' relayed rounds; a busy
+relay's throughput with it, and that of a peer that opts in (``swarm.relay_service``, whose own averaging traffic
+goes through the same daemon), are not measured."""
 
 @contextlib.contextmanager
 def p2pd_env(env: dict[str, str]) -> Iterator[None]:

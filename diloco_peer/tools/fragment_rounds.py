@@ -3,9 +3,9 @@ P fragments staggered through the round instead of all at once. A study engine f
 --fragments``; the swarm itself syncs all its parameters in one all-reduce per round.
 
 Why it matters to overlapped rounds: an eager replica trains on a stand-in for the round's average (its own
-pseudo-gradient, ``overlap_offset``) until the average arrives, and the study in BENCHMARKS.md measured that
-what this costs grows with the stand-in's lifetime (K=8: +0.25% ppl vs blocking with the average at inner step 1
-of 10, +11% at step 5, outer lr 0.7). On a link where the exchange of all parameters takes f*H inner steps, a
+pseudo-gradient, ``overlap_offset``) until the average arrives, and what this costs grows with the stand-in's
+lifetime (measured: BENCHMARKS.md, "The average applied as soon as it arrives"). On a link where the exchange of
+all parameters takes f*H inner steps, a
 fragment of 1/P of the bytes takes f*H/P: each fragment's stand-in lives P times shorter, whatever the link.
 
 The schedule (Douillard et al. 2025, "Streaming DiLoCo"): the parameters are cut into P fragments of about equal

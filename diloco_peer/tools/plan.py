@@ -9,7 +9,8 @@ state and the round's buffers live in shared memory, which a container caps at 6
 are those of each codec of ``averaging/compression.py`` in hivemind's butterfly all-reduce: in a group of K peers
 each sends its K-1 foreign parts of the pseudo-gradient to their reducers and returns the average of its own part to
 the K-1 others, so 2 (K-1) / K of the encoded pseudo-gradient leaves (and arrives at) each peer per round. Times are
-at the link's rate, a lower bound (the all-reduce ran at 0.80-0.87 of a TCP stream, BENCHMARKS.md).
+at the link's rate, a lower bound (the all-reduce runs somewhat below a TCP stream's rate: BENCHMARKS.md, "Hiding
+the network", "What the numbers say", "All-reduce efficiency").
 """
 
 from __future__ import annotations

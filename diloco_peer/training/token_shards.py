@@ -15,9 +15,9 @@ itself replaced atomically: a killed prepare leaves only complete, listed files.
 Peers (``TokenShards``) read only the windows they sample, each with one positional read (``pread``):
 start-up time and memory do not grow with the dataset (BENCHMARKS.md, "Data at any size"). Not ``mmap``:
 a mapped page stays in the process's resident set once touched, and the kernel maps 64 KB around each
-touched page, so 40,000 random windows of 2 KB over 2 GB of shards grew a peer's RSS by 1.9 GB (with
-``MADV_RANDOM`` too), where ``pread`` leaves the pages in the page cache, outside the process: +0.2 MB, and
-faster. The training files are cut into blocks of
+touched page, so random windows over the shards grew a peer's RSS by nearly what they covered (with
+``MADV_RANDOM`` too), where ``pread`` leaves the pages in the page cache, outside the process, and was faster
+(measured: BENCHMARKS.md, "Data at any size"). The training files are cut into blocks of
 ``BLOCK_TOKENS`` and block ``g`` (counted over all files) belongs to data shard ``g % data.num_shards``:
 every peer's shard is spread over the whole dataset, and no window crosses into another shard's block.
 """

@@ -95,9 +95,10 @@ class Tokenizer:
     def encode_batch(self, texts: list[str], ends: Iterable[bool] | None = None) -> list[np.ndarray]:
         """``encode`` for several texts at once (``ends[i]``: text i ends its document; default all do)."""
         ends = [True] * len(texts) if ends is None else list(ends)
-        if self._backend is None and self._hub is None:  # bytes: 10x faster than any list of ints
+        if self._backend is None and self._hub is None:  # bytes: one buffer, much faster than any list of ints
             return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
-        # long texts in chunks: one 1 MB string encoded ~1.5x slower than the same text in 10 KB strings
+        # long texts in chunks: one long string encodes slower than the same text in short ones (BENCHMARKS.md,
+        # "Data at any size")
         chunks = [_chunks(text) for text in texts]
         flat = [chunk for text_chunks in chunks for chunk in text_chunks]
         if self._backend is not None:

@@ -132,8 +132,9 @@ class ComputeThread:
 
     Why one: each thread that runs a parallel torch op leads its own OpenMP team, and once libgomp manages
     more threads than there are cores it stops spin-waiting between ops and puts its workers to sleep
-    after each one. Measured on 2 cores: training steps sent to whichever ``asyncio.to_thread`` worker
-    was free ran at 0.55 of a bare loop's speed (bench/daemon_overhead.py); on this thread, at 1.0.
+    after each one: training steps sent to whichever ``asyncio.to_thread`` worker was free ran at half a bare
+    loop's speed, on this thread at its full speed (``bench/daemon_overhead.py``; measured: BENCHMARKS.md,
+    "Hiding the network", "What the numbers say", daemon overhead).
     """
 
     def __init__(self, threads: int):
