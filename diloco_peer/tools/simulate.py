@@ -29,7 +29,7 @@ Blocking mode (the default) waits for the average and restarts every round from 
 Aggregation is the swarm's own, part by part (``simulated_allreduce.py``); every contribution the swarm's
 checks would refuse is counted in ``SimRun.refused`` (in a swarm, an offense against an honest peer).
 
-Eval loss is measured on the outer weights (in delayed mode they lag one round behind the replicas;
+Eval loss is measured on the outer weights (in overlapped modes they lag one round behind the replicas;
 the last round's average is applied when the run ends, so the final number includes every round).
 Bytes are what a butterfly all-reduce of K peers moves per peer and round (``allreduce_bytes``); for
 ``kx_batch`` the same for an fp32 gradient all-reduce every inner step (what DDP sends).
@@ -205,7 +205,7 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
     feedback = [ErrorFeedback(wire) if error_feedback else None for _ in trainers]  # each codec's carried error
     run.tokens.append(0)
     run.eval_loss.append(trainers[0].evaluate())
-    pending = None  # delayed mode: the average of the previous round, applied at the end of this one
+    pending = None  # overlapped: the average of the previous round, applied at the end of this one
     tokens = all_bytes = 0
     for rnd in range(1, rounds + 1):
         starts = [replica_copy(t.model) for t in trainers]  # (fp32 on the host, as the swarm keeps it)
@@ -231,7 +231,7 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
             on_round(rnd, outers[0].params)
         run.tokens.append(tokens)
         run.eval_loss.append(evaluate_outer(outers[0], trainers[0].evaluate))
-    if pending is not None:  # delayed: the last round's average arrives after the run; apply it to score
+    if pending is not None:  # overlapped: the last round's average arrives after the run; apply it to score
         for outer in outers:
             outer.step(pending)
         run.eval_loss[-1] = trainers[0].evaluate()
