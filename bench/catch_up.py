@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -28,49 +27,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scale import SMALL  # noqa: E402
-from swarm_bench import CLI, ROOT, stop, wait_for  # noqa: E402
+from swarm_bench import slow_swarm, start_peer  # noqa: E402
 
-from diloco_peer.observe.events import read_events  # noqa: E402
 from diloco_peer.tools.netbed import SlowNetwork, available  # noqa: E402
-
-
-def _events(path: Path, kind: str) -> list[dict]:
-    return [e for e in read_events(path) if e["event"] == kind] if path.exists() else []
 
 
 def run(args, log_rounds: int, workdir: Path) -> dict:
     """One run: the donors in namespace 0, the joiner in namespace 1 for ``args.seconds``; the joiner's record."""
     sets = [*SMALL, f"outer.inner_steps={args.inner_steps}", "averaging.min_peers=2", "averaging.compression=fp16",
-            f"averaging.log_rounds={log_rounds}", f"run.log_dir={json.dumps(str(workdir))}", "checkpoint.dir=''",
-            "averaging.sync_timeout=60.0"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    address_file, procs = workdir / "bootstrap.addr", []
-    with SlowNetwork(peers=2, mbit=args.mbit) as net:
-        def start(i: int, argv: list[str], name: str) -> None:
-            log = open(workdir / f"{name}.log", "w")
-            procs.append(net.run(i, [*CLI, *argv], stdout=log, stderr=log, env=env))
-
-        try:
-            start(0, ["bootstrap", "--listen", f"/ip4/{net.address(0)}/tcp/0", "--address-file", str(address_file)],
-                  "bootstrap")
-            wait_for("bootstrap address", lambda: address_file.exists() and address_file.read_text().strip(), procs,
-                     60)
-            join = ["join", address_file.read_text().strip(), "--config", "tiny-cpu"]
-            for i, name in [(0, "donor"), (0, "donor-b"), (1, "joiner")]:
-                if name == "joiner":
-                    wait_for("round of the donors", lambda: _events(workdir / "donor.jsonl", "round"), procs, 300)
-                argv = [*join, "--name", name, "--set", f"swarm.host_maddrs=['/ip4/{net.address(i)}/tcp/0']"]
-                start(i, [*argv, *(a for s in sets for a in ("--set", s))], name)
-            started = time.monotonic()
-            while time.monotonic() - started < args.seconds and all(p.poll() is None for p in procs):
-                time.sleep(1.0)
-        finally:
-            stop(procs)
-    joiner, donor = workdir / "joiner.jsonl", workdir / "donor.jsonl"
-    syncs = [{k: e.get(k) for k in ("ok", "epoch", "bytes", "seconds", "rounds")} for e in _events(joiner, "sync")]
-    averaged = [e for e in _events(joiner, "round") if e["outcome"] == "averaged"]
+            f"averaging.log_rounds={log_rounds}", "checkpoint.dir=''", "averaging.sync_timeout=60.0"]
+    with SlowNetwork(peers=2, mbit=args.mbit) as net, slow_swarm(net, workdir, sets) as swarm:
+        for i, name in [(0, "donor"), (0, "donor-b"), (1, "joiner")]:
+            if name == "joiner":
+                swarm.wait_for("round of the donors", lambda: swarm.events("donor", "round"), 300)
+            start_peer(net, swarm, i, name=name, args=["--config", "tiny-cpu"])
+        started = time.monotonic()
+        while time.monotonic() - started < args.seconds and all(p.poll() is None for p in swarm.procs):
+            time.sleep(1.0)
+    syncs = [{k: e.get(k) for k in ("ok", "epoch", "bytes", "seconds", "rounds")}
+             for e in swarm.events("joiner", "sync")]
+    averaged = [e for e in swarm.events("joiner", "round") if e["outcome"] == "averaged"]
     first = next((e["first_contribution_seconds"] for e in averaged if "first_contribution_seconds" in e), None)
-    donor_rounds = [e for e in _events(donor, "round")]
+    donor_rounds = swarm.events("donor", "round")
     return {"log_rounds": log_rounds, "syncs": syncs, "rounds_averaged": len(averaged),
             "first_contribution_seconds": first, "donor_rounds": len(donor_rounds),
             "donor_round_seconds": round(sum(e["round_seconds"] for e in donor_rounds[1:]) /

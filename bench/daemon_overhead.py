@@ -46,6 +46,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from results import figure, save  # noqa: E402
 
 from diloco_peer.observe.events import read_events  # noqa: E402
+from diloco_peer.swarm.addresses import SwarmError  # noqa: E402
+from diloco_peer.tools.local_swarm import LocalSwarm  # noqa: E402
 
 CHUNKS = 5  # outer_round.PROGRESS_EVENTS_PER_ROUND: the daemon writes one progress event per H/5 steps
 
@@ -124,34 +126,15 @@ def daemon_throughput(log: Path) -> dict:
             "timer_tokens_per_second": tokens / timer}
 
 
-def run_daemon(args: argparse.Namespace, address: str, workdir: Path, rep: int) -> dict:
-    run_dir = workdir / f"daemon-{rep}"  # fresh: no checkpoint to resume from
-    sets = settings_list(args, args.rounds) + ["run.run_id=bench-overhead", f"run.log_dir={json.dumps(str(run_dir))}",
-                                                f"checkpoint.dir={json.dumps(str(run_dir / 'ckpt'))}"]
-    cmd = [sys.executable, "-m", "diloco_peer", "join", address, "--name", "daemon"]
-    for item in sets:
-        cmd += ["--set", item]
-    with (workdir / f"daemon-{rep}.log").open("w") as out:
-        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=900).returncode
+def run_daemon(args: argparse.Namespace, swarm: LocalSwarm, rep: int) -> dict:
+    """A: one daemon run, as peer ``daemon-REP`` (fresh: no checkpoint to resume from); its throughput."""
+    name = f"daemon-{rep}"
+    sets = settings_list(args, args.rounds) + ["run.run_id=bench-overhead",
+                                                f"checkpoint.dir={json.dumps(str(swarm.workdir / name))}"]
+    code = swarm.start_peer(name, *sets).wait(timeout=900)
     if code:
-        sys.exit(f"daemon_overhead: the daemon exited with code {code}; see {workdir}/daemon-{rep}.log")
-    return daemon_throughput(run_dir / "daemon.jsonl")
-
-
-def start_bootstrap(workdir: Path) -> tuple[subprocess.Popen, str]:
-    log = workdir / "bootstrap.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "diloco_peer", "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0",
-                                 "--run-id", "bench-overhead", "--report-every", "600"],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        for line in log.read_text().splitlines():
-            if line.startswith("diloco-peer join "):
-                return proc, line.split()[2]
-        time.sleep(0.2)
-    proc.kill()
-    sys.exit(f"daemon_overhead: the bootstrap node printed no join address; see {log}")
+        sys.exit(f"daemon_overhead: the daemon exited with code {code}; see {swarm.log(name)}")
+    return daemon_throughput(swarm.workdir / f"{name}.jsonl")
 
 
 def main() -> None:
@@ -185,23 +168,17 @@ def main() -> None:
           f"overrides {args.overrides or 'none'}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("daemon_overhead: terminated"))  # unwind: stop the bootstrap
     rows = []
-    with tempfile.TemporaryDirectory(prefix="dlp-overhead-") as tmp:
-        workdir = Path(tmp)
-        boot, address = start_bootstrap(workdir)
+    with tempfile.TemporaryDirectory(prefix="dlp-overhead-") as tmp, LocalSwarm(Path(tmp)) as swarm:
         try:
-            for rep in range(reps):
-                a, b = run_daemon(args, address, workdir, rep), run_bare(args)
-                rows.append((a, b))
-                ratio = a["tokens_per_second"] / b["tokens_per_second"]
-                print(f"pair {rep + 1}/{reps}: daemon {a['tokens_per_second']:,.0f} tok/s, bare "
-                      f"{b['tokens_per_second']:,.0f} tok/s, ratio {ratio:.3f}", flush=True)
-        finally:
-            boot.terminate()
-            try:
-                boot.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                boot.kill()
-                boot.wait()
+            swarm.start_bootstrap("--run-id", "bench-overhead", "--report-every", "600")
+        except SwarmError as e:
+            sys.exit(f"daemon_overhead: {e}")
+        for rep in range(reps):
+            a, b = run_daemon(args, swarm, rep), run_bare(args)
+            rows.append((a, b))
+            ratio = a["tokens_per_second"] / b["tokens_per_second"]
+            print(f"pair {rep + 1}/{reps}: daemon {a['tokens_per_second']:,.0f} tok/s, bare "
+                  f"{b['tokens_per_second']:,.0f} tok/s, ratio {ratio:.3f}", flush=True)
 
     ratios = [a["tokens_per_second"] / b["tokens_per_second"] for a, b in rows]
     print(f"\n{'pair':>4} {'daemon tok/s':>13} {'(trainer timer)':>15} {'bare tok/s':>11} {'daemon/bare':>11}")

@@ -31,11 +31,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the swarm harness lives with the tests
 
-from conftest import LocalSwarm  # noqa: E402
+from swarm_bench import FAST  # noqa: E402
 
 from diloco_peer.config.faults import FAULT_ENV  # noqa: E402
+from diloco_peer.tools.local_swarm import LocalSwarm  # noqa: E402
 
 DIES_IN = 3
 SURVIVORS = ("p0", "p1")
@@ -43,11 +43,9 @@ SURVIVORS = ("p0", "p1")
 
 def run_swarm(workdir: Path, mode: str, rounds: int, fault: str = "crash") -> tuple[list[float], list[float]]:
     """One run: (the survivors' all-reduce seconds in the round p2 died in, in their other averaged rounds)."""
-    swarm = LocalSwarm(workdir)
-    try:
+    with LocalSwarm(workdir, sets=FAST) as swarm:
         swarm.start_bootstrap()
-        sets = ["outer.inner_steps=10", "run.threads=1", f"outer.overlap={mode}", "averaging.min_peers=3",
-                f"run.max_rounds={rounds}"]
+        sets = [f"outer.overlap={mode}", "averaging.min_peers=3", f"run.max_rounds={rounds}"]
         procs = {name: swarm.start_peer(name, *sets, env={FAULT_ENV: f"{fault}_in_allreduce:{DIES_IN}"}
                                         if name == "p2" else None) for name in (*SURVIVORS, "p2")}
         if fault == "freeze":  # once both survivors are past that round, the frozen peer goes for good
@@ -70,8 +68,6 @@ def run_swarm(workdir: Path, mode: str, rounds: int, fault: str = "crash") -> tu
                 elif e["outcome"] == "averaged":
                     healthy.append(e["allreduce_seconds"])
         return died, healthy
-    finally:
-        swarm.reap()
 
 
 def main() -> None:

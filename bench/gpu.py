@@ -33,10 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hivemind.compression import CompressionInfo  # noqa: E402
 from results import figure, save  # noqa: E402
-from swarm_bench import CLI, measure  # noqa: E402
+from swarm_bench import measure  # noqa: E402
 
 from diloco_peer.averaging.averager import wire_compression  # noqa: E402
 from diloco_peer.config import load_config  # noqa: E402
+from diloco_peer.tools.local_swarm import diloco_command  # noqa: E402
 from diloco_peer.training.model import build_model  # noqa: E402
 
 OFFLINE = ["data.source='stdlib'", "data.tokenizer='bytes'", "model.vocab_size=256", "checkpoint.dir=''"]
@@ -69,7 +70,7 @@ def main() -> int:
     cfg = load_config(args.config, sets)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [*CLI, "demo", "--peers", "1", "--rounds", str(rounds + 1), "--out", tmp, "--config", args.config]
+        cmd = diloco_command("demo", "--peers", "1", "--rounds", str(rounds + 1), "--out", tmp, "--config", args.config)
         for item in sets:
             cmd += ["--set", item]
         print(f"{args.config} on {device}: {rounds + 1} rounds of H={H} (the first is not counted)", flush=True)

@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,10 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import figure, save  # noqa: E402
 
 from diloco_peer.config import load_config  # noqa: E402
-from diloco_peer.observe.events import read_events  # noqa: E402
+from diloco_peer.tools.local_swarm import LocalSwarm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "diloco_peer"]
 SMALL = ['data.source="stdlib"', 'data.tokenizer="bytes"', "model.vocab_size=256", "data.seq_len=64",
          "model.max_seq_len=64", "inner.batch_size=1", "inner.grad_accum=1", "data.eval_batches=1",
          "data.max_bytes=2_000_000", "data.num_shards=4", "run.threads=1", "averaging.heartbeat=2.0",
@@ -142,76 +140,31 @@ class Sampler(threading.Thread):
         return max(mine, key=lambda v: v["pss"]) if mine else {"pss": 0, "processes": {}}
 
 
-class Swarm:
-    """The bootstrap and the peers as subprocesses (each in its own session), their logs in ``workdir``."""
-
-    def __init__(self, workdir: Path, sets: list[str], config: str):
-        self.workdir, self.sets, self.config = workdir, sets, config
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.address = ""
-        # this checkout first, then whatever the caller's PYTHONPATH holds (packages installed with --target)
-        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-        self.env = {**os.environ, "PYTHONPATH": path}
-
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        with open(self.workdir / f"{name}.log", "a") as log:
-            proc = subprocess.Popen(["nice", "-n", "5", *argv], stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env=self.env, cwd=self.workdir)
-        self.procs[name] = proc
-        return proc
-
-    def start_bootstrap(self) -> None:
-        address_file = self.workdir / "bootstrap.addr"
-        run_id = load_config(self.config, self.sets).run.run_id  # (it shows that run's progress, not the default's)
-        proc = self._spawn("bootstrap", [*CLI, "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0",
-                                         "--address-file", str(address_file), "--run-id", run_id])
-        deadline = time.monotonic() + 60
-        while not address_file.exists() or not address_file.read_text().strip():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the bootstrap node did not start: see {self.workdir / 'bootstrap.log'}")
-            time.sleep(0.2)
-        self.address = address_file.read_text().strip()
-
-    def start_peer(self, name: str) -> int:
-        argv = [*CLI, "join", self.address, "--config", self.config, "--name", name]
-        for item in self.sets:
-            argv += ["--set", item]
-        return self._spawn(name, argv).pid
-
-    def events(self, name: str, kind: str | None = None) -> list[dict]:
-        return [e for e in read_events(self.workdir / f"{name}.jsonl") if kind is None or e["event"] == kind]
-
-    def wait_for(self, what: str, condition, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            dead = [n for n, p in self.procs.items() if p.poll() not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"{dead[0]} exited with {self.procs[dead[0]].returncode} while waiting for "
-                                   f"{what}: see {self.workdir / (dead[0] + '.log')}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no {what} within {timeout:g}s: see the logs in {self.workdir}")
-            time.sleep(0.5)
-
-    def stop(self, name: str, timeout: float = 180) -> None:
-        """SIGTERM: the peer leaves after its inner step, with a checkpoint; wait for it to exit."""
-        proc = self.procs[name]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=timeout)
-
-    def kill_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        for proc in self.procs.values():
-            proc.wait()
+def local_swarm(workdir: Path, sets: list[str]) -> LocalSwarm:
+    """A swarm whose peers get ``sets``, every process niced, as the module docstring's commands run this script."""
+    # this checkout first, then whatever the caller's PYTHONPATH holds (packages installed with --target)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return LocalSwarm(workdir, sets=sets, env={"PYTHONPATH": path}, wrap=["nice", "-n", "5"])
 
 
-def _rounds(swarm: Swarm, name: str) -> list[dict]:
+def start_peer(swarm: LocalSwarm, name: str, config: str) -> int:
+    """``diloco-peer join`` as ``name`` with ``config`` and the swarm's sets; its pid."""
+    return swarm.start_peer(name, args=["--config", config]).pid
+
+
+def stop(swarm: LocalSwarm, name: str, timeout: float = 180) -> None:
+    """SIGTERM: the peer leaves after its inner step, with a checkpoint; wait for it to exit."""
+    proc = swarm.peers[name]
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=timeout)
+
+
+def _rounds(swarm: LocalSwarm, name: str) -> list[dict]:
     return swarm.events(name, "round")
 
 
-def _back(swarm: Swarm, name: str, rounds: int) -> bool:
+def _back(swarm: LocalSwarm, name: str, rounds: int) -> bool:
     """Has peer ``name`` resumed from its checkpoint, and then trained a round or synced to the swarm's state?"""
     starts = swarm.events(name, "start")
     return bool(starts and starts[-1].get("resumed_from")) and (
@@ -225,15 +178,15 @@ def run(args, workdir: Path, sampler: Sampler, ran: dict) -> None:
     sets = [*SMALL, *model_sets, f"outer.inner_steps={args.inner_steps}", f"averaging.min_peers={args.peers}",
             f"run.log_dir={json.dumps(str(workdir))}", f"checkpoint.dir={json.dumps(str(workdir / 'checkpoints'))}",
             "checkpoint.keep=1", f"averaging.compression={json.dumps(args.compression)}", *args.set]
-    swarm = Swarm(workdir, sets, config)
+    swarm = local_swarm(workdir, sets)
     phases = ran["phases"] = {}
     ran["swarm"], ran["peers"] = swarm, []
     try:
-        swarm.start_bootstrap()
+        swarm.start_bootstrap("--run-id", load_config(config, sets).run.run_id)  # (it shows that run's progress)
         peers = [f"peer-{i}" for i in range(args.peers)]
         sampler.phase = "train"
         for name in peers:
-            sampler.pids[name] = swarm.start_peer(name)
+            sampler.pids[name] = start_peer(swarm, name, config)
         ran["peers"] = [*peers, f"peer-{args.peers}"]
         swarm.wait_for(f"{args.rounds} rounds on every peer",
                        lambda: all(len(_rounds(swarm, n)) >= args.rounds for n in peers), args.timeout)
@@ -246,13 +199,13 @@ def run(args, workdir: Path, sampler: Sampler, ran: dict) -> None:
         if (join or restore) and (per_peer * (args.peers + 1) > args.max_total_gb * GB or not join):
             left = peers[-1]
             sampler.phase = "leave"
-            swarm.stop(left)
+            stop(swarm, left)
             sampler.pids.pop(left)
         others = [n for n in peers if n != left]
         if others and join:  # (a lone peer that left has nobody to download a state from)
             sampler.phase = "join"
             target = {n: len(_rounds(swarm, n)) for n in others}
-            sampler.pids[joiner] = swarm.start_peer(joiner)
+            sampler.pids[joiner] = start_peer(swarm, joiner, config)
             swarm.wait_for("the joiner's state sync", lambda: any(e["ok"] for e in swarm.events(joiner, "sync")),
                            args.timeout)
             swarm.wait_for("a round of the joiner with the others",
@@ -262,11 +215,11 @@ def run(args, workdir: Path, sampler: Sampler, ran: dict) -> None:
         if left is not None and restore:  # the peer that left comes back from its checkpoint
             if joiner in sampler.pids:
                 sampler.phase = "leave"
-                swarm.stop(joiner)
+                stop(swarm, joiner)
                 sampler.pids.pop(joiner)
             sampler.phase = "restore"
             target = {n: len(_rounds(swarm, n)) for n in others}
-            sampler.pids[left] = swarm.start_peer(left)
+            sampler.pids[left] = start_peer(swarm, left, config)
             # back in the swarm: a round of its own, or (with H this small, a swarm can step on faster than a peer
             # restored from an older epoch downloads it) a state sync and a round of the others meanwhile
             swarm.wait_for("the restored peer back in the swarm", lambda: _back(swarm, left, args.rounds)
@@ -274,13 +227,14 @@ def run(args, workdir: Path, sampler: Sampler, ran: dict) -> None:
             phases["restore"] = [*others, left]
         sampler.phase = "stop"
         for name in list(sampler.pids):
-            swarm.stop(name)
+            stop(swarm, name)
     finally:
         sampler.stop()
-        swarm.kill_all()
+        swarm.kill()  # at once: the run may have ended at the memory limit
+        swarm.reap()
 
 
-def measure(swarm: Swarm, peers: list[str], sampler: Sampler) -> dict:
+def measure(swarm: LocalSwarm, peers: list[str], sampler: Sampler) -> dict:
     """The figures of a finished run: memory from the sampler, the rest from the event logs."""
     starts = {n: swarm.events(n, "start") for n in peers}
     parameters = next((e["parameters"] for s in starts.values() for e in s), 0)

@@ -27,35 +27,36 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the swarm harness and the forked client live with the tests
 
-from conftest import LocalSwarm  # noqa: E402
 from results import append_runs  # noqa: E402
+from swarm_bench import FAST  # noqa: E402
+
+from diloco_peer.tools.local_swarm import LocalSwarm  # noqa: E402
 
 HONEST = ("p0", "p1", "p2")
 ATTACKER = "evil"
+FORKED_CLIENT = [sys.executable, str(ROOT / "tests" / "attacker.py")]
+"""The attacker's program (with its attack and ``--``): the forked client lives with the tests."""
 
 
 def run_swarm(workdir: Path, aggregation: str, factor: float, rounds: int, extra: list[str],
               timeout: float) -> dict:
     """One run: the honest peers (and the attacker unless ``factor`` is 0) for ``rounds`` rounds; the figures."""
-    swarm = LocalSwarm(workdir)
     started = time.monotonic()
-    try:
+    with LocalSwarm(workdir, sets=FAST) as swarm:
         swarm.start_bootstrap()
         members = len(HONEST) + (factor != 0)
         sets = [f"averaging.aggregation={aggregation}", f"run.max_rounds={rounds}", f"averaging.min_peers={members}",
                 "data.num_shards=4", *extra]
         if factor:
-            swarm.start_peer(ATTACKER, *sets, f"data.shard={len(HONEST)}", attacks=f"sign_flip:{factor:g}")
+            swarm.start_peer(ATTACKER, *sets, f"data.shard={len(HONEST)}",
+                             program=[*FORKED_CLIENT, f"sign_flip:{factor:g}", "--"])
         procs = {name: swarm.start_peer(name, *sets, f"data.shard={i}") for i, name in enumerate(HONEST)}
         for name, proc in procs.items():
             code = proc.wait(timeout=max(1.0, timeout - (time.monotonic() - started)))
             if code != 0:
                 raise RuntimeError(f"{name} exited with {code}: see {workdir / (name + '.log')}")
         return measure(swarm, aggregation, factor, rounds, time.monotonic() - started)
-    finally:
-        swarm.reap()
 
 
 def measure(swarm: LocalSwarm, aggregation: str, factor: float, rounds: int, seconds: float) -> dict:

@@ -42,12 +42,12 @@ from pathlib import Path
 
 import psutil
 
-from diloco_peer.observe.events import EventFollower
+from swarm_bench import FAST
 
-CLI = [sys.executable, "-m", "diloco_peer"]
-SETTINGS = ["outer.inner_steps=10", "run.threads=1", "averaging.heartbeat=1.0", "averaging.matchmaking_time=2.0",
-            "averaging.request_timeout=1.0", "data.max_bytes=1_000_000",  # tests/conftest.py FAST
-            "averaging.allreduce_timeout=8.0", "averaging.ready_timeout=8.0", "averaging.sync_timeout=5.0",
+from diloco_peer.observe.events import EventFollower
+from diloco_peer.tools.local_swarm import LocalSwarm
+
+SETTINGS = [*FAST, "averaging.allreduce_timeout=8.0", "averaging.ready_timeout=8.0", "averaging.sync_timeout=5.0",
             "checkpoint.every_rounds=1"]  # as tests/test_churn.py CHURN; every peer's, besides its dirs
 GRACE = 20.0  # run.shutdown_grace of every peer
 STOP_SLACK = 10.0  # a SIGTERMed peer still running GRACE + this later is stuck
@@ -96,7 +96,9 @@ class Soak:
     def __init__(self, args, out: Path):
         self.args, self.out = args, out
         self.rng, self.t0 = random.Random(args.seed), time.time()
-        self.address = ""  # the bootstrap node's
+        # a restart appends to the same logs; every peer's checkpoints in ``out/checkpoints/NAME``, resumed if there
+        self.swarm = LocalSwarm(out, sets=[*SETTINGS, f"run.shutdown_grace={GRACE}",
+                                           f"checkpoint.dir={json.dumps(str(out / 'checkpoints'))}"])
         self.current: dict[str, Instance] = {}  # name -> its latest instance; the bootstrap node's is "bootstrap"
         self.instances: list[Instance] = []  # every instance ever started
         self.followers: dict[str, EventFollower] = {}
@@ -105,38 +107,22 @@ class Soak:
         self.schedule, self.crashes, self.stuck, self.orphans = [], [], [], []
         self.bag: list[str] = []  # the kinds of event still due in this turn
 
-    def _spawn(self, argv: list[str], log_name: str) -> subprocess.Popen:
-        with (self.out / log_name).open("a") as log:  # a restart appends to the same log
-            return subprocess.Popen([*CLI, *argv], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    cwd=self.out)
-
     def _note(self, line: str) -> None:
         print(f"soak {time.time() - self.t0:6.0f}s round {self.swarm_round:3d}: {line}", flush=True)
 
     def start_bootstrap(self) -> None:
         """Start the bootstrap node and wait for the join address it prints."""
-        log = self.out / "bootstrap.log"
-        proc = self._spawn(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--report-every", "10"], log.name)
+        self.swarm.start_bootstrap("--report-every", "10", timeout=120)
         # it writes no event log: never "silent"
-        self.current["bootstrap"] = Instance("bootstrap", "bootstrap", proc, time.time(), float("inf"))
+        self.current["bootstrap"] = Instance("bootstrap", "bootstrap", self.swarm.bootstraps[0], time.time(),
+                                             float("inf"))
         self.instances.append(self.current["bootstrap"])
-        deadline = time.monotonic() + 120
-        while not self.address:
-            lines = log.read_text().splitlines()
-            self.address = next((line.split()[2] for line in lines if line.startswith("diloco-peer join ")), "")
-            if not self.address and (proc.poll() is not None or time.monotonic() > deadline):
-                raise RuntimeError(f"the bootstrap node did not start: see {log}")
-            time.sleep(0.2)
 
     def start_peer(self, name: str, cause: str) -> Instance:
         """``diloco-peer join`` as ``name``: its checkpoints in ``out/checkpoints/name``, resumed if there."""
-        argv = ["join", self.address, "--name", name]
-        for item in [*SETTINGS, f"run.shutdown_grace={GRACE}", f"run.log_dir={json.dumps(str(self.out))}",
-                     f"checkpoint.dir={json.dumps(str(self.out / 'checkpoints'))}"]:
-            argv += ["--set", item]
         if name in self.current:  # a restart: the old process is gone, so the rest of the log is the old one's
             self.current[name].events += self.followers[name].new_events()
-        inst = Instance(name, cause, self._spawn(argv, f"{name}.log"), time.time(), time.time())
+        inst = Instance(name, cause, self.swarm.start_peer(name), time.time(), time.time())
         self.current[name] = inst
         self.instances.append(inst)
         self.followers.setdefault(name, EventFollower(self.out / f"{name}.jsonl"))
@@ -290,17 +276,13 @@ class Soak:
         self.orphans = self._alive_tree()
 
     def cleanup(self) -> None:
-        """Kill whatever this soak started that still runs: process groups not yet reaped, then recorded pids."""
-        for proc in (procs := [i.proc for i in self.instances]):
-            if proc.poll() is None:  # not reaped: its pid, and so its group id, cannot belong to anyone else
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(proc.pid, sig)
+        """Kill whatever this soak started that still runs: the process trees and groups of the swarm's processes
+        (``LocalSwarm.kill``, ``reap``), then the recorded pids (children of a peer killed earlier, re-parented)."""
+        self.swarm.kill()
         for entry in self._alive_tree():
             with contextlib.suppress(psutil.Error):
                 psutil.Process(entry["pid"]).kill()
-        for proc in procs:
-            proc.wait()
+        self.swarm.reap()
 
     def result(self) -> dict:
         """The soak's figures (see the module docstring)."""

@@ -23,83 +23,59 @@ first-round gate that waits for every peer):
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from diloco_peer.tools.local_swarm import LocalSwarm
 from diloco_peer.tools.netbed import SlowNetwork
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "diloco_peer"]
 BASE = ["checkpoint.dir=''", "data.max_bytes=1_000_000", "run.threads=1", "averaging.heartbeat=1.0",
         "data.eval_batches=1"]
 """Every bench peer: no checkpoints (disk is not what we measure), a small corpus (fast start), one thread
 each (peers share this machine's cores), one eval batch (the eval is not what we measure either)."""
+FAST = ["outer.inner_steps=10", "run.threads=1", "averaging.heartbeat=1.0", "averaging.matchmaking_time=2.0",
+        "averaging.request_timeout=1.0", "data.max_bytes=1_000_000"]
+"""The tests' swarms (``tests/conftest.py`` FAST): tiny-cpu, H=10, one thread, short timeouts. For the benches of
+what a test shows, on loopback (``dead_member.py``, ``sign_flip.py``, ``soak.py``)."""
 
 
 def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def slow_swarm(net: SlowNetwork, workdir: Path, sets: list[str], wrap: list[str] = ()) -> LocalSwarm:
+    """A ``LocalSwarm`` in ``workdir`` whose peers get ``sets`` (this checkout's code; every process under ``wrap``),
+    its bootstrap node started in namespace 0: ``start_peer(net, swarm, i, ...)`` starts peer i in namespace i."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    swarm = LocalSwarm(workdir, sets=sets, env={"PYTHONPATH": str(ROOT)}, wrap=wrap)
+    try:
+        swarm.start_bootstrap(listen=f"/ip4/{net.address(0)}/tcp/0", netns=net.ns(0))
+    except BaseException:
+        swarm.reap()
+        raise
+    return swarm
+
+
+def start_peer(net: SlowNetwork, swarm: LocalSwarm, i: int, *sets: str, name: str = "", args: list[str] = ()):
+    """``diloco-peer join`` in namespace ``i`` as ``name`` (default ``peer-i``), listening on that namespace's
+    address; its process."""
+    listen = f"swarm.host_maddrs=['/ip4/{net.address(i)}/tcp/0']"
+    return swarm.start_peer(name or f"peer-{i}", listen, *sets, netns=net.ns(i), args=args)
+
+
 def run_swarm(net: SlowNetwork, overrides: list[str], rounds: int, workdir: Path, skip: int = 1,
               timeout: float = 600) -> dict:
     """Run ``net.peers`` peers for ``rounds`` outer rounds with ``overrides`` (``key=value``); measure them."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    address_file = workdir / "bootstrap.addr"
-    address_file.unlink(missing_ok=True)
-    procs = []
-    try:
-        boot_log = open(workdir / "bootstrap.log", "w")
-        procs.append(net.run(0, [*CLI, "bootstrap", "--listen", f"/ip4/{net.address(0)}/tcp/0",
-                                 "--address-file", str(address_file)], stdout=boot_log, stderr=boot_log, env=env))
-        deadline = time.monotonic() + 60
-        while not address_file.exists() or not address_file.read_text().strip():
-            if procs[0].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the bootstrap node did not start: see {workdir / 'bootstrap.log'}")
-            time.sleep(0.2)
-        bootstrap = address_file.read_text().strip()
-        sets = [*BASE, f"run.max_rounds={rounds}", f"run.log_dir='{workdir}'", f"averaging.min_peers={net.peers}",
-                *overrides]
+    sets = [*BASE, f"run.max_rounds={rounds}", f"averaging.min_peers={net.peers}", *overrides]
+    with slow_swarm(net, workdir, sets) as swarm:
         for i in range(net.peers):
-            argv = [*CLI, "join", bootstrap, "--name", f"peer-{i}",
-                    "--set", f"swarm.host_maddrs=['/ip4/{net.address(i)}/tcp/0']"]
-            for item in sets:
-                argv += ["--set", item]
-            log = open(workdir / f"peer-{i}.log", "w")
-            procs.append(net.run(i, argv, stdout=log, stderr=log, env=env))
-        for i, proc in enumerate(procs[1:]):
-            code = proc.wait(timeout=timeout)
-            if code != 0:
-                tail = (workdir / f"peer-{i}.log").read_text()[-2000:]
-                raise RuntimeError(f"peer-{i} exited with {code}:\n{tail}")
-    finally:
-        stop(procs)
+            start_peer(net, swarm, i)
+        swarm.wait_for("the peers' last round", lambda: all(p.poll() is not None for p in swarm.peers.values()),
+                       timeout)
     return measure(workdir, net.peers, skip)
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM each of ``procs`` still running, then wait for each (30 s at most, then SIGKILL)."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def wait_for(what: str, condition, procs: list[subprocess.Popen], timeout: float) -> None:
-    """Poll ``condition()`` until true; raise if ``timeout`` seconds pass or one of ``procs`` exits first."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-            raise RuntimeError(f"no {what} within {timeout:g}s (or a process exited)")
-        time.sleep(0.5)
 
 
 def measure(workdir: Path, peers: int, skip: int = 1) -> dict:

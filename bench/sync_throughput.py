@@ -16,8 +16,6 @@ sync again for the next one: a second sync, not counted).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -26,44 +24,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from results import figure, save  # noqa: E402
 from scale import MODELS, SMALL  # noqa: E402
-from swarm_bench import CLI, ROOT, raw_tcp_bytes_per_second, stop, wait_for  # noqa: E402
+from swarm_bench import raw_tcp_bytes_per_second, slow_swarm, start_peer  # noqa: E402
 
-from diloco_peer.observe.events import read_events  # noqa: E402
 from diloco_peer.tools.netbed import SlowNetwork, available  # noqa: E402
-
-
-def _events(path: Path, kind: str) -> list[dict]:
-    return [e for e in read_events(path) if e["event"] == kind]
 
 
 def measure_sync(net: SlowNetwork, args, workdir: Path) -> dict:
     """Donor in namespace 0, joiner in namespace 1: the joiner's first state sync, as its event log has it."""
     config, model_sets = MODELS[args.model]
-    sets = [*SMALL, *model_sets, f"outer.inner_steps={args.inner_steps}", "averaging.min_peers=1",
-            f"run.log_dir={json.dumps(str(workdir))}", "checkpoint.dir=''", "averaging.sync_timeout=300.0"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    address_file, procs = workdir / "bootstrap.addr", []
-
-    def start(i: int, argv: list[str], name: str) -> None:
-        log = open(workdir / f"{name}.log", "w")
-        procs.append(net.run(i, ["nice", "-n", "5", *CLI, *argv], stdout=log, stderr=log, env=env))
-
-    try:
-        start(0, ["bootstrap", "--listen", f"/ip4/{net.address(0)}/tcp/0", "--address-file", str(address_file)],
-              "bootstrap")
-        wait_for("bootstrap address", lambda: address_file.exists() and address_file.read_text().strip(), procs, 60)
-        join = ["join", address_file.read_text().strip(), "--config", config]
+    sets = [*SMALL, *model_sets, f"outer.inner_steps={args.inner_steps}", "averaging.min_peers=1", "checkpoint.dir=''",
+            "averaging.sync_timeout=300.0"]
+    with slow_swarm(net, workdir, sets, wrap=["nice", "-n", "5"]) as swarm:
         for i, name in enumerate(["donor", "joiner"]):
             if name == "joiner":  # once the donor holds a state to serve
-                wait_for("round of the donor", lambda: _events(workdir / "donor.jsonl", "round"), procs, args.timeout)
-            argv = [*join, "--name", name, "--set", f"swarm.host_maddrs=['/ip4/{net.address(i)}/tcp/0']"]
-            start(i, [*argv, *(a for s in sets for a in ("--set", s))], name)
-        wait_for("state sync of the joiner", lambda: [e for e in _events(workdir / "joiner.jsonl", "sync") if e["ok"]],
-                 procs, args.timeout)
-    finally:
-        stop(procs)
-    sync = next(e for e in _events(workdir / "joiner.jsonl", "sync") if e["ok"])
-    parameters = _events(workdir / "joiner.jsonl", "start")[0]["parameters"]
+                swarm.wait_for("round of the donor", lambda: swarm.events("donor", "round"), args.timeout)
+            start_peer(net, swarm, i, name=name, args=["--config", config])
+        swarm.wait_for("state sync of the joiner", lambda: [e for e in swarm.events("joiner", "sync") if e["ok"]],
+                       args.timeout)
+    sync = next(e for e in swarm.events("joiner", "sync") if e["ok"])
+    parameters = swarm.events("joiner", "start")[0]["parameters"]
     return {"bytes": sync["bytes"], "seconds": sync["seconds"], "parameters": parameters}
 
 
