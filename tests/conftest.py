@@ -125,6 +125,26 @@ def dhts():
 
 
 @pytest.fixture
+def peers():
+    """``peers(**kwargs)``: state-sync peers in this process (``helpers.SyncPeer``: a DHT, an averager and an outer
+    optimizer each), the first one the others' bootstrap; all closed after."""
+    from diloco_peer.config import load_config
+    from helpers import SYNC_SETS, SyncPeer
+
+    cfg = load_config(None, SYNC_SETS)
+    made = []
+
+    def make(**kwargs):
+        peer = SyncPeer(cfg, [str(a) for a in made[0].dht.get_visible_maddrs()] if made else [], **kwargs)
+        made.append(peer)
+        return peer
+
+    yield make
+    for peer in made:
+        peer.close()
+
+
+@pytest.fixture
 def local_swarm(tmp_path):
     """A ``LocalSwarm`` in the test's directory: its peers with the ``FAST`` overrides, its bootstrap nodes reporting
     every 2 s; every process it started is reaped after the test, whatever happened."""

@@ -1,6 +1,5 @@
 """Checkpoints: exact resume, atomic writes that survive SIGKILL, pruning, refusal of foreign checkpoints."""
 
-import hashlib
 import random
 import signal
 import subprocess
@@ -10,34 +9,11 @@ import time
 
 import pytest
 import torch
+from helpers import TRAIN_SETS, state_hash, trainer_and_outer
 
 from diloco_peer.config import CheckpointConfig, load_config
 from diloco_peer.state.checkpoint import CheckpointError, CheckpointManager, capture, load_file, restore
-from diloco_peer.training.data import Corpus
-from diloco_peer.training.model import build_model, param_sha256
-from diloco_peer.training.outer_optimizer import OuterOptimizer
-from diloco_peer.training.trainer import Trainer
-
-SETS = ["data.max_bytes=200_000", "data.num_shards=2", "data.shard=0", "outer.inner_steps=3"]
-
-
-def _peer(cfg):
-    corpus = Corpus(cfg.data, 0, cfg.model.vocab_size)
-    trainer = Trainer(build_model(cfg.model, cfg.run.seed), corpus, cfg.inner)
-    return trainer, OuterOptimizer(trainer.model, cfg.outer)
-
-
-def _state_hash(trainer, outer) -> str:
-    """One hash over everything a resume must restore."""
-    digest = hashlib.sha256()
-    digest.update(param_sha256(outer.params).encode())
-    digest.update(param_sha256(outer.momentum_buffers()).encode())
-    digest.update(param_sha256(trainer.model.parameters()).encode())
-    for state in trainer.optimizer.state_dict()["state"].values():
-        digest.update(param_sha256([state["exp_avg"], state["exp_avg_sq"], state["step"].reshape(1)]).encode())
-    digest.update(f"{outer.epoch} {trainer.step}".encode())
-    digest.update(trainer.corpus.rng_state().numpy().tobytes())
-    return digest.hexdigest()
+from diloco_peer.training.model import param_sha256
 
 
 def _train_rounds(trainer, outer, rounds):
@@ -47,18 +23,18 @@ def _train_rounds(trainer, outer, rounds):
 
 
 def test_resume_restores_weights_optimizers_epoch_and_schedule_exactly(tmp_path):
-    cfg = load_config(None, SETS)
-    trainer, outer = _peer(cfg)
+    cfg = load_config(None, TRAIN_SETS)
+    trainer, outer = trainer_and_outer(cfg)
     _train_rounds(trainer, outer, 2)
-    saved_hash = _state_hash(trainer, outer)
+    saved_hash = state_hash(trainer, outer)
     manager = CheckpointManager(CheckpointConfig(dir=str(tmp_path)), "alice", cfg.fingerprint())
     manager.save(capture(trainer, outer, cfg.fingerprint())).result()
 
-    fresh_trainer, fresh_outer = _peer(cfg)
-    assert _state_hash(fresh_trainer, fresh_outer) != saved_hash
+    fresh_trainer, fresh_outer = trainer_and_outer(cfg)
+    assert state_hash(fresh_trainer, fresh_outer) != saved_hash
     state = CheckpointManager(CheckpointConfig(dir=str(tmp_path)), "alice", cfg.fingerprint()).load_latest()
     restore(state, fresh_trainer, fresh_outer)
-    assert _state_hash(fresh_trainer, fresh_outer) == saved_hash
+    assert state_hash(fresh_trainer, fresh_outer) == saved_hash
     assert (fresh_outer.epoch, fresh_trainer.step) == (2, 6)
 
     # and training goes on exactly as it would have without the interruption
@@ -68,8 +44,8 @@ def test_resume_restores_weights_optimizers_epoch_and_schedule_exactly(tmp_path)
 
 
 def test_keeps_the_last_k_and_writes_in_the_background(tmp_path):
-    cfg = load_config(None, SETS)
-    trainer, outer = _peer(cfg)
+    cfg = load_config(None, TRAIN_SETS)
+    trainer, outer = trainer_and_outer(cfg)
     manager = CheckpointManager(CheckpointConfig(dir=str(tmp_path), keep=2, every_rounds=2), "bob", cfg.fingerprint())
     written = []
     for epoch in range(1, 7):
@@ -84,11 +60,11 @@ def test_keeps_the_last_k_and_writes_in_the_background(tmp_path):
 
 
 def test_refuses_a_checkpoint_of_another_model_with_a_one_line_error(tmp_path):
-    cfg = load_config(None, SETS)
-    trainer, outer = _peer(cfg)
+    cfg = load_config(None, TRAIN_SETS)
+    trainer, outer = trainer_and_outer(cfg)
     CheckpointManager(CheckpointConfig(dir=str(tmp_path)), "carol", cfg.fingerprint()).save(
         capture(trainer, outer, cfg.fingerprint())).result()
-    other = load_config(None, [*SETS, "model.hidden_size=64"])
+    other = load_config(None, [*TRAIN_SETS, "model.hidden_size=64"])
     with pytest.raises(CheckpointError) as err:
         CheckpointManager(CheckpointConfig(dir=str(tmp_path)), "carol", other.fingerprint()).load_latest()
     message = str(err.value)

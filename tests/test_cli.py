@@ -22,20 +22,13 @@ from pathlib import Path
 
 import pytest
 from conftest import FAST, diloco_cmd, orphaned_p2pd_pids, wait_for_line
+from helpers import GOOD_ADDR, PEER_ID, run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diloco_peer import cli
 from diloco_peer.config import PeerConfig
 from diloco_peer.observe.events import EventLog
-
-PEER_ID = "12D3KooWHQEFuYFG1pGNfSsfDsM5nCiACFRgDLDg5faqtUaKTuzT"
-GOOD_ADDR = f"/ip4/127.0.0.1/tcp/9/p2p/{PEER_ID}"
-
-
-def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(diloco_cmd(*args), capture_output=True, text=True, timeout=timeout)
-
 
 BAD_INPUTS = [
         (["join", "not-an-address"], 2, "not-an-address"),

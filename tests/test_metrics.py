@@ -9,8 +9,8 @@ import urllib.request
 
 import pytest
 from conftest import diloco_cmd, require_tool
+from helpers import GOOD_ADDR
 from prometheus_client.parser import text_string_to_metric_families
-from test_cli import GOOD_ADDR
 
 from diloco_peer.observe.metrics import PeerMetrics
 from diloco_peer.swarm.progress_record import PeerStats

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from helpers import run_cli
 from multiaddr import Multiaddr
-from test_cli import run_cli
 
 from diloco_peer.bootstrap_node import start_relay
 from diloco_peer.config import SwarmConfig

@@ -9,22 +9,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import wait_until
+from helpers import SYNC_SETS, SyncPeer
 from hivemind.compression import NoCompression
-from hivemind.dht import DHT
 
 from diloco_peer.averaging import round_log, state_files, state_transfer
-from diloco_peer.averaging.averager import RoundAverager
 from diloco_peer.config import load_config
 from diloco_peer.config.faults import FAULT_ENV, NO_FAULTS, Faults
 from diloco_peer.state import state_sync
-from diloco_peer.state.state_sync import FALLING_BEHIND, StateSync
+from diloco_peer.state.state_sync import FALLING_BEHIND
 from diloco_peer.state.target import Target, swarm_target
 from diloco_peer.swarm.progress import add_progress_validators, fetch_progress
 from diloco_peer.swarm.progress_record import ProgressRecord
-from diloco_peer.training.model import build_model, param_sha256, state_digest
-from diloco_peer.training.outer_optimizer import OuterOptimizer
-
-SETS = ["averaging.sync_timeout=3.0", "averaging.matchmaking_time=2.0", "averaging.request_timeout=1.0"]
+from diloco_peer.training.model import param_sha256, state_digest
 
 
 def _record(peer, epoch, state_hash, joined=True):
@@ -86,53 +82,6 @@ def test_peers_that_have_not_joined_do_not_vote():
     assert swarm_target([_record("a", 10, "h10"), _record("restarted", 8, "h8", joined=False)]).epoch == 10
     # while nobody has joined (a swarm starting), everybody votes
     assert swarm_target(newcomers + [_record("liar", 1000, "0" * 64, joined=False)]).epoch == 0
-
-
-class _Peer:
-    """A DHT + averager + outer optimizer: everything state sync touches, in this process."""
-
-    def __init__(self, cfg, initial_peers=(), seed_offset=0, fingerprint=None, faults=NO_FAULTS, shared=True):
-        self.dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers))
-        model = build_model(cfg.model, cfg.run.seed + seed_offset)
-        self.outer = OuterOptimizer(model, cfg.outer, shared=shared)  # (shared: as the daemon's)
-        self.averager = RoundAverager(self.dht, [p.shape for p in self.outer.params], cfg.run.run_id, cfg.averaging,
-                                      faults=faults)
-        self.served = []
-        self.sync = StateSync(self.averager.averager, self.outer, fingerprint or cfg.fingerprint(),
-                              cfg.outer.inner_steps, cfg.averaging, on_serve=lambda e, n: self.served.append((e, n)),
-                              faults=faults)
-        self.id = self.dht.peer_id.to_base58()
-
-    def advance(self, rounds):
-        for _ in range(rounds):
-            with torch.no_grad():
-                for p in self.outer.model.parameters():
-                    p.add_(torch.randn_like(p) * 0.01)
-            with self.sync.lock:
-                self.outer.step(self.outer.pseudo_gradient())
-                self.sync.after_outer_step()
-
-    def target(self):
-        return Target(self.outer.epoch, self.sync.state_hash, [self.id])
-
-    def close(self):
-        self.averager.shutdown()
-        self.dht.shutdown()
-
-
-@pytest.fixture
-def peers():
-    cfg = load_config(None, SETS)
-    made = []
-
-    def make(**kwargs):
-        peer = _Peer(cfg, [str(a) for a in made[0].dht.get_visible_maddrs()] if made else [], **kwargs)
-        made.append(peer)
-        return peer
-
-    yield make
-    for peer in made:
-        peer.close()
 
 
 def test_newcomer_downloads_weights_momentum_and_epoch(peers):
@@ -525,8 +474,8 @@ def test_a_newcomer_rejects_a_corrupt_donor_and_syncs_from_an_honest_one(local_s
                 f"does not match the hash it published")
 
     # 1. a newcomer in this process, where the donor order can be fixed: the corrupt donor is tried first
-    cfg = load_config(None, SETS)
-    newcomer = _Peer(cfg, [local_swarm.address])
+    cfg = load_config(None, SYNC_SETS)
+    newcomer = SyncPeer(cfg, [local_swarm.address])
     try:
         add_progress_validators(newcomer.dht, cfg.run.run_id)
 
