@@ -13,10 +13,40 @@ import pytest
 import yaml
 from conftest import diloco_cmd, require_tool
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parent.parent
-DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
+GRAFANA = ROOT / "deploy" / "grafana"
+DASHBOARDS = [GRAFANA / "dashboards" / name for name in ("peer.json", "swarm.json")]
+"""Every dashboard we ship, named: a missing one fails the tests that read them, an unnamed one the first test."""
+
+
+def test_the_dashboards_are_the_ones_named_and_provisioned_with_the_datasource_they_use():
+    """What Grafana would load, checked without Grafana: compose mounts the provisioning and dashboard folders
+    where the provisioning files expect them, and every panel, query and variable names the provisioned datasource."""
+    assert sorted((GRAFANA / "dashboards").glob("*.json")) == sorted(DASHBOARDS)  # (a new one: name it above)
+    grafana = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["grafana"]
+    mounts = dict(volume.split(":")[:2] for volume in grafana["volumes"] if volume.startswith("./"))
+    assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning", mounts
+    mounted = mounts["./deploy/grafana/dashboards"]
+    [provider] = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "diloco.yml").read_text())["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"] == mounted, (provider, mounted)
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert Path(home).parent == Path(mounted) and (GRAFANA / "dashboards" / Path(home).name).is_file(), home
+    [source] = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090", source
+    uids = []
+    for dashboard in DASHBOARDS:
+        board = json.loads(dashboard.read_text())
+        uids.append(board["uid"])
+        named = [(f"variable {v['name']}", v["datasource"]) for v in board["templating"]["list"] if "datasource" in v]
+        for panel in board["panels"]:
+            assert panel["targets"], f"{dashboard.name}: '{panel['title']}' has no query"
+            named += [(f"'{panel['title']}'", panel["datasource"])]
+            named += [(f"'{panel['title']}' {t['refId']}", t["datasource"])
+                      for t in panel["targets"] if "datasource" in t]
+        wrong = [f"{dashboard.name}: {what}: {ds}" for what, ds in named
+                 if ds != {"type": "prometheus", "uid": source["uid"]}]
+        assert not wrong, f"not the provisioned datasource (uid {source['uid']!r}):\n" + "\n".join(wrong)
+    assert len(set(uids)) == len(uids), uids
 
 
 def _free_port() -> int:
@@ -25,6 +55,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.light
 def test_compose_file_is_valid_and_deploys_the_whole_stack():
     require_tool("docker-compose", "docker-compose")
