@@ -33,7 +33,7 @@ from diloco_peer.swarm.progress import SwarmProgress
 from diloco_peer.swarm.progress_record import ProgressRecord
 from diloco_peer.training.model import param_sha256
 from diloco_peer.training.outer_optimizer import OuterOptimizer
-from diloco_peer.training.trainer import InnerStats
+from diloco_peer.training.trainer import InnerStats, Trainer
 
 TOKENS_PER_STEP = 100
 
@@ -151,26 +151,32 @@ class HubSync:
 
 
 class PullTrainer:
-    """Inner steps that move the replica a tenth of the way to ``target`` each (SGD on a quadratic, in effect)."""
+    """Inner steps that move the replica a tenth of the way to ``target`` each (SGD on a quadratic, in effect), each
+    taking ``step_seconds`` (asleep: the peers' compute threads run side by side)."""
 
-    def __init__(self, target: float, shape=(4, 3)):
+    def __init__(self, target: float, step_seconds: float = 0.0, shape=(4, 3)):
         self.model = torch.nn.Linear(shape[1], shape[0])
         with torch.no_grad():
             for p in self.model.parameters():
                 p.fill_(0.0)
-        self.target, self.step, self.device = target, 0, torch.device("cpu")
+        self.target, self.step_seconds, self.device = target, step_seconds, torch.device("cpu")
+        self.position, self.stride = 0.0, 1.0
+
+    step = Trainer.step  # the LR-schedule position, as the real trainer keeps it
 
     def train_steps(self, num_steps: int, should_stop=lambda: False) -> InnerStats:
-        done = 0
+        started, done = time.perf_counter(), 0
         for _ in range(num_steps):
             if should_stop():
                 break
+            time.sleep(self.step_seconds)
             with torch.no_grad():
                 for p in self.model.parameters():
                     p.sub_(0.1 * (p - self.target))
-            self.step += 1
+            self.position += self.stride
             done += 1
-        return InnerStats(done, done * TOKENS_PER_STEP, self.evaluate(), 0.001 * done, self.current_lr())
+        seconds = max(time.perf_counter() - started, 1e-6 * done)
+        return InnerStats(done, done * TOKENS_PER_STEP, self.evaluate(), seconds, self.current_lr())
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -180,16 +186,12 @@ class PullTrainer:
         return 0.1
 
 
-class InlineCompute:
-    """The compute thread, inline: every call runs on the event loop, after ``pause`` seconds in which the other
-    tasks (the exchange in flight, the other peers) run: the time a chunk of inner steps would take."""
-
-    def __init__(self, pause: float = 0.0):
-        self.pause = pause
+class ThreadCompute:
+    """The compute thread: every call runs in a thread, so that the event loop (the exchange in flight, the other
+    peers) goes on meanwhile."""
 
     async def run(self, fn, *args, **kwargs):
-        await asyncio.sleep(self.pause)
-        return fn(*args, **kwargs)
+        return await asyncio.to_thread(fn, *args, **kwargs)
 
 
 @dataclass
@@ -216,22 +218,22 @@ class Peer:
 class FakeSwarm:
     """Peers that share a board and a hub; ``run(rounds)`` runs them all concurrently for that many outer rounds."""
 
-    def __init__(self, tmp: Path, outer: OuterConfig, averaging: AveragingConfig | None = None,
-                 step_seconds: float = 0.0):
-        self.tmp, self.outer_cfg, self.step_seconds = tmp, outer, step_seconds
+    def __init__(self, tmp: Path, outer: OuterConfig, averaging: AveragingConfig | None = None):
+        self.tmp, self.outer_cfg = tmp, outer
         # (no norm check here: a peer whose replica reached its own target sends ~0, and the mean is 10x that; the
         # verdict's own tests check the norm)
         self.averaging = averaging or AveragingConfig(ready_timeout=0.5, heartbeat=0.05, max_update_ratio=0.0)
         self.board, self.hub = Board(), Hub()
         self.peers: dict[str, Peer] = {}
 
-    def add(self, name: str, target: float, faults: Faults = NO_FAULTS, joins_at: int = 0) -> Peer:
-        trainer = PullTrainer(target)
+    def add(self, name: str, target: float, faults: Faults = NO_FAULTS, joins_at: int = 0,
+            step_seconds: float = 0.0) -> Peer:
+        trainer = PullTrainer(target, step_seconds)
         outer = OuterOptimizer(trainer.model, self.outer_cfg)
         rounds = OuterRounds(self.outer_cfg, self.averaging, 0, name, trainer=trainer, outer=outer,
                              averager=HubAverager(self.hub, name, faults), progress=BoardProgress(self.board, name),
                              sync=HubSync(outer, self.peers), events=EventLog(self.tmp / f"{name}.jsonl"),
-                             compute=InlineCompute(self.step_seconds), should_stop=lambda: False)
+                             compute=ThreadCompute(), should_stop=lambda: False)
         peer = self.peers[name] = Peer(name, rounds, joins_at)
         return peer
 

@@ -190,6 +190,8 @@ def test_a_swarm_computes_exactly_what_the_simulator_computes(local_swarm, overl
               "averaging.matchmaking_time=4.0", "averaging.request_timeout=2.0",
               # the bound below is the plain mean's, pinned (robust ran 7.7e-11, 6.7e-9, 2.09e-6 here once)
               "averaging.aggregation=mean",
+              # the simulator trains H steps a round: so do the peers (rounds bounded by time: test_rounds.py)
+              "outer.round_length=steps",
               # eager: rounds long enough that an average arrives while the next round trains (after ~2 s)
               *(["outer.inner_steps=30"] if overlap == "eager" else [])]
     local_swarm.start_bootstrap()

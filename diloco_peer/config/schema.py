@@ -160,7 +160,7 @@ class OuterConfig(_Section):
     the outer step this peer predicts from its own fresh pseudo-gradient (Kale et al. 2025, "eager updates"),
     and the true average replaces the prediction as soon as it arrives (``apply_on_arrival``; else at the end
     of round t+1). ``delayed``: the same overlap with the own progress kept as it is instead of a predicted step
-    (DiLoCoX's one-step delay; for comparison). See outer_round.py. The whole swarm must use the same mode."""
+    (DiLoCoX's one-step delay; for comparison). See rounds/schedule.py. The whole swarm must use the same mode."""
     apply_on_arrival: bool = True
     """Overlapped modes: as soon as round t's average has arrived (checked between inner steps of round t+1) and
     passed the round's checks, move the replica onto where it puts the outer weights, keeping the progress made
@@ -168,6 +168,16 @@ class OuterConfig(_Section):
     hash still change at the end of round t+1. ``false``: the stand-in lasts the whole round t+1. Each peer's
     own choice (the outer weights are the same either way). The sooner the average arrives, the closer eager rounds
     end to blocking ones (measured: BENCHMARKS.md, "The average applied as soon as it arrives")."""
+    round_length: Literal["time", "steps"] = "time"
+    """``time``: every peer trains as many inner steps as fit the time the swarm's fastest peer takes for a round of
+    ``inner_steps`` (its round's other work included), so that fast and slow volunteers reach the round gate together
+    and nobody waits (``rounds/pace.py``); a slower peer trains fewer steps, weighted by its tokens. ``steps``: every
+    peer trains exactly ``inner_steps`` a round (the DiLoCo paper's setting; the swarm goes at its slowest peer's
+    pace). The whole swarm should use the same."""
+    contribution: Literal["tokens", "per_step"] = "tokens"
+    """How a pseudo-gradient of fewer inner steps than ``inner_steps`` counts in the average, weighted by its tokens:
+    ``tokens``, as it is; ``per_step``, per inner step times H (FedNova's normalization;
+    ``training.outer_optimizer.contribution_scale``). The whole swarm must use the same."""
 
     @model_validator(mode="before")
     @classmethod

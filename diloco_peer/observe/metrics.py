@@ -67,6 +67,8 @@ class PeerMetrics:
         self.outer_lr = Gauge("diloco_outer_learning_rate", "Outer (Nesterov SGD) learning rate", registry=r)
         self.group_size = Gauge("diloco_group_size", "Peers in the last round's all-reduce group (1: solo)",
                                 registry=r)
+        self.round_steps = Gauge("diloco_round_inner_steps", "Inner steps this peer trained in its last round (rounds "
+                                 "bounded by time: fewer than H on a slower device)", registry=r)
         self.allreduce = Histogram("diloco_allreduce_duration_seconds", "Matchmaking + all-reduce of a round",
                                    buckets=ALLREDUCE_BUCKETS, registry=r)
         self.not_averaged = Counter("diloco_values_not_averaged", "Pseudo-gradient values a failed reducer left "
@@ -167,6 +169,7 @@ class PeerMetrics:
         self.outer_lr.set(e["outer_lr"])
         self.inner_lr.set(e["inner_lr"])
         self.group_size.set(e["group_size"])
+        self.round_steps.set(e.get("inner_steps", 0))
         if e["outcome"] != "solo":
             self.allreduce.observe(e["allreduce_seconds"])
         self.not_averaged.inc(e["values_not_averaged"])

@@ -64,6 +64,8 @@ class RoundExchange:
         """The pseudo-gradient ``pending`` averages (a solo step applies it if the all-reduce fails)."""
         self.waited = 0.0
         """Seconds the last ``collect`` waited for its exchange to end."""
+        self.records: list[ProgressRecord] = []
+        """The swarm's records as the last gate saw them (the pace of rounds bounded by time is read from them)."""
 
     def launch(self, pseudo_gradient: list[torch.Tensor], tokens: int, inner_step: int) -> asyncio.Task:
         """Start exchanging ``pseudo_gradient`` (``tokens`` behind it) for our outer epoch; the task."""
@@ -102,6 +104,7 @@ class RoundExchange:
             ready_timeout=cfg.ready_timeout, should_stop=self.should_stop, lag=self.lag)
         if self.should_stop():
             return Exchange(decision, RoundResult(ok=False, error=decision.reason), dropped=True)
+        self.records = decision.records
         downloads = self.healing.downloads
         dropped, off_swarm = await self.at_gate(decision.records)
         if dropped:
@@ -111,7 +114,10 @@ class RoundExchange:
         if decision.ready < 2:
             return Exchange(decision, RoundResult(ok=False, error=decision.reason), off_swarm=off_swarm)
         self.events.write("averaging", peer=self.name, epoch=epoch, ready_peers=decision.ready)
-        expected = decision.expected if cfg.start_when_complete else None
+        # once complete, the group starts at once; a gate that left stragglers behind expects the ready peers only
+        # (else matchmaking waited its whole window for a peer that was alive and not coming)
+        expected = (decision.expected if decision.reason == ALL_READY else decision.ready) \
+            if cfg.start_when_complete else None
         result = await self.averager.average(pseudo_gradient, weight=tokens, epoch=epoch, expected=expected,
                                              nudge=self._waiting(decision, epoch))
         return Exchange(decision, result, off_swarm=off_swarm)

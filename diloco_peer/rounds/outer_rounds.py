@@ -29,12 +29,13 @@ from ..observe.events import EventLog
 from ..observe.inner_progress import InnerProgress
 from ..state.state_sync import StateSync
 from ..swarm.progress import SwarmProgress
-from ..training.outer_optimizer import OuterOptimizer
+from ..training.outer_optimizer import OuterOptimizer, contribution_scale
 from ..training.trainer import ComputeThread, Trainer
 from .arrival import EarlyAverage
 from .exchange import RoundExchange
 from .healing import Healing
 from .outcome import Exchange, Verdict, decide
+from .pace import Pace
 from .record import InnerResult, RoundRecord
 from .schedule import schedule_for
 
@@ -69,6 +70,9 @@ class OuterRounds:
         self.max_rounds = max_rounds
         self.inner_steps = outer_cfg.inner_steps
         self.outer_lr = outer_cfg.lr
+        self.contribution = outer_cfg.contribution
+        self.pace = Pace(outer_cfg.inner_steps, timed=outer_cfg.round_length == "time")
+        """This peer's pace, and how long it trains in a round bounded by time."""
         self.name = name
         self.trainer = trainer
         self.outer = outer
@@ -95,6 +99,7 @@ class OuterRounds:
                 record = await self.schedule.round(self)
                 if record is not None:
                     record.round_seconds = time.perf_counter() - started
+                    self._observe(record)
                     on_round(record)
         finally:
             self.exchange.cancel()
@@ -110,31 +115,58 @@ class OuterRounds:
         return await self.healing.catch_up(records)
 
     async def train(self, epoch: int, start: list[torch.Tensor] | None = None) -> InnerResult:
-        """The H inner steps of round ``epoch + 1``, in chunks so that progress shows between them. Overlapped
-        (``start``: the replica at the round's start), the average in flight is applied as soon as it arrives."""
+        """The inner steps of round ``epoch + 1``: H, or (rounds bounded by time) as many as fit this peer's budget
+        (``pace.py``), in chunks so that progress shows between them. The LR schedule goes from ``epoch * H`` to
+        ``(epoch + 1) * H`` either way. Overlapped (``start``: the replica at the round's start), the average in
+        flight is applied as soon as it arrives."""
         trainer, H = self.trainer, self.inner_steps
-        chunk = max(1, H // PROGRESS_EVENTS_PER_ROUND)
+        end = (epoch + 1) * H
+        budget = self.pace.budget(self.exchange.records, own=self.progress.record.peer_id)
+        planned = self.pace.planned_steps(budget)
+        trainer.stride = H / planned
+        # a peer with time for H steps is the pace (or ties it): it trains H, whatever this round's noise
+        clock = _RoundClock(budget if planned < H else None, self.pace.step_seconds, trainer)
         arrival = self.schedule.arrival
         arrived = arrival.due if arrival is not None else lambda: False
         steps, tokens, seconds, weighted_loss = 0, 0, 0.0, 0.0
-        self.shown.start(epoch, H, done=trainer.step - epoch * H)
-        while trainer.step - epoch * H < H and not self.should_stop():
+        self.shown.start(epoch, planned, done=0)
+        while steps < planned and not self.should_stop() and not clock.overdue():
             if arrived():
                 await self.compute.run(arrival.apply, start, trainer.step - epoch * H)
-            todo = min(chunk, H - (trainer.step - epoch * H))
-            stats = await self.compute.run(trainer.train_steps, todo, lambda: self.should_stop() or arrived())
+            todo = min(max(1, planned // PROGRESS_EVENTS_PER_ROUND), planned - steps)
+            clock.chunk_starts()
+            stats = await self.compute.run(trainer.train_steps, todo,
+                                           lambda: self.should_stop() or arrived() or clock.overdue())
+            clock.chunk_ended(stats.seconds)
             if not stats.steps:
                 continue
             steps, tokens, seconds = steps + stats.steps, tokens + stats.tokens, seconds + stats.seconds
             weighted_loss += stats.loss * stats.steps
             self.progress.record = self.progress.record.copy(update={"inner_step": trainer.step})  # heartbeat
-            self.shown.chunk(epoch, trainer.step, trainer.step - epoch * H, stats)
+            self.shown.chunk(epoch, trainer.step, steps, stats)
         self.shown.end()
+        if not self.should_stop():
+            trainer.step = end  # (a few steps short of the budget, or the stride's rounding: the round's end)
         return InnerResult(steps=steps, tokens=tokens, compute_seconds=seconds,
                            train_loss=weighted_loss / max(steps, 1))
 
+    def _observe(self, record: RoundRecord) -> None:
+        """A round's work outside training and waiting goes into our record (published with the next store): rounds
+        that healed by a state sync or stepped alone after a failure measure the sync, not us."""
+        if record.outcome not in ("averaged", "solo"):
+            return
+        self.pace.ended(record.round_seconds, record.compute_seconds, self.exchange.waited)
+        self.progress.record = self.progress.record.copy(update=self.pace.fields())
+
     def launch(self, pseudo_gradient: list[torch.Tensor], inner: InnerResult) -> None:
-        """Start the exchange of the round just trained (the schedule concludes it, now or a round later)."""
+        """Start the exchange of the round just trained (the schedule concludes it, now or a round later), its
+        pseudo-gradient scaled as ``outer.contribution`` says for the steps behind it."""
+        scale = contribution_scale(self.contribution, inner.steps, self.inner_steps)
+        if scale != 1.0:
+            for tensor in pseudo_gradient:
+                tensor.mul_(scale)
+        self.pace.trained(inner.steps, inner.compute_seconds)  # our "ready" says it: the others budget with it
+        self.progress.record = self.progress.record.copy(update=self.pace.fields())
         task = self.exchange.launch(pseudo_gradient, inner.tokens, self.trainer.step)
         if self.schedule.arrival is not None:
             self.schedule.arrival.watch(task)
@@ -218,3 +250,30 @@ class OuterRounds:
             inner_lr=self.trainer.current_lr(), outer_lr=self.outer_lr, inner_step=self.trainer.step,
             param_sha256=self.sync.state_hash, inner_steps=inner.steps,
             arrived_step=arrival.step if arrival is not None else None)
+
+
+class _RoundClock:
+    """When a round bounded by time is over: once its next inner step would end more than half a step past the
+    budget, one step at least (``budget`` None: never, the round is H steps). It counts the time in inner steps, not
+    the hops between chunks of them (those are the round's other work, which the budget has left out already)."""
+
+    def __init__(self, budget: float | None, step_seconds: float | None, trainer: Trainer):
+        self.budget = budget
+        self.half_step = 0.5 * (step_seconds or 0.0)
+        self.trainer = trainer
+        self.first = trainer.position
+        self.trained = 0.0
+        self.chunk_started: float | None = None
+
+    def chunk_starts(self) -> None:
+        self.chunk_started = time.monotonic()
+
+    def chunk_ended(self, seconds: float) -> None:
+        self.trained += seconds
+        self.chunk_started = None
+
+    def overdue(self) -> bool:
+        if self.budget is None or self.trainer.position <= self.first:
+            return False
+        running = time.monotonic() - self.chunk_started if self.chunk_started is not None else 0.0
+        return self.trained + running + self.half_step > self.budget

@@ -6,6 +6,8 @@ from __future__ import annotations
 from hivemind.dht.schema import BytesWithPublicKey
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint, constr
 
+MAX_SECONDS = 86400.0
+"""The longest step or round a progress record may say a peer takes (a day)."""
 MAX_LOSS = 1e6
 """The largest loss a progress record carries (a larger or non-finite one is sent as unknown)."""
 
@@ -42,6 +44,12 @@ class ProgressRecord(BaseModel):  # pydantic v1: hivemind's SchemaValidator spea
     """False from start until the peer has synced to the swarm's state (or found nothing to sync): until then
     its epoch says nothing about the swarm's progress and it does not vote (see ``quorum_epoch``)."""
     time: StrictFloat
+    step_seconds: confloat(gt=0, le=MAX_SECONDS, strict=True) | None = None
+    """Seconds this peer takes per inner step, lately (None until it trained a round): rounds bounded by time take
+    the swarm's pace from these (``rounds/pace.py``)."""
+    work_seconds: confloat(ge=0, le=MAX_SECONDS, strict=True) | None = None
+    """Seconds of each round this peer spends neither training nor waiting for others (its outer step, eval,
+    records), lately."""
     stats: PeerStats | None = None
     """Loss, throughput and round counts for the swarm monitor, refreshed with every publication."""
 

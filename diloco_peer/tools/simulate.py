@@ -53,6 +53,7 @@ from ..training.data import Corpus
 from ..training.model import build_model
 from ..training.outer_optimizer import (
     OuterOptimizer,
+    contribution_scale,
     correct_on_arrival,
     evaluate_outer,
     overlap_offset,
@@ -124,12 +125,13 @@ def trainers_for(cfg: PeerConfig, replicas: int, init: dict[str, torch.Tensor] |
 
 
 def _local_round(trainer: Trainer, outer: OuterOptimizer, fb: ErrorFeedback | None, start: list[torch.Tensor],
-                 wire, overlap: str, steps: int, arrived: tuple[int, list[torch.Tensor]] | None = None
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
+                 wire, overlap: str, steps: int, arrived: tuple[int, list[torch.Tensor]] | None = None,
+                 scale: float = 1.0) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
     """One replica's part of a round: ``steps`` inner steps, then its pseudo-gradient as the averager holds it
     (with error feedback: already through the codec) and as it arrives after crossing the wire; returns both,
     its encoded size in bytes and the tokens trained on. ``arrived``: (d, the previous round's average), applied
-    to the replica after d inner steps (overlapped; ``start`` moves with it)."""
+    to the replica after d inner steps (overlapped; ``start`` moves with it). ``scale``: the pseudo-gradient is
+    sent times this (``contribution_scale``)."""
     tokens = 0
     if arrived is not None and arrived[0] < steps:
         tokens += trainer.train_steps(arrived[0]).tokens
@@ -140,6 +142,8 @@ def _local_round(trainer: Trainer, outer: OuterOptimizer, fb: ErrorFeedback | No
         delta = outer.pseudo_gradient()
     else:  # this round's own progress, fp32 on the host as the swarm's averager holds it
         delta = [-d for d in progress_since(trainer.model, start)]
+    if scale != 1.0:
+        delta = [d * scale for d in delta]
     if fb is not None:
         delta, size = fb.roundtrip(delta)
         return delta, delta, size, tokens
@@ -161,6 +165,12 @@ def continue_overlapped(outer: OuterOptimizer, start: list[torch.Tensor], pendin
     with torch.no_grad():
         for p, d in zip(outer.model.parameters(), overlap_offset(outer, overlap, progress)):
             p.add_(d.to(p.device, p.dtype))
+
+
+def steps_in_round(inner_steps: int, speed: float) -> int:
+    """The inner steps a replica of relative ``speed`` (the fastest: 1.0) fits in a round of ``inner_steps`` of the
+    fastest's: at least one."""
+    return max(1, round(inner_steps * speed))
 
 
 def _apply(outers: list[OuterOptimizer], starts: list[list[torch.Tensor]], average: list[torch.Tensor],
@@ -189,12 +199,16 @@ def arrival_step(arrival, rnd: int, replica: int, H: int) -> int:
 
 def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none", overlap: str = "blocking",
                error_feedback: bool = False, on_round=None, init: dict[str, torch.Tensor] | None = None,
-               inner: list[InnerConfig] | None = None, arrival=None) -> SimRun:
+               inner: list[InnerConfig] | None = None, arrival=None, speeds: list[float] | None = None,
+               contribution: str = "tokens") -> SimRun:
     """K replicas for ``rounds`` outer rounds, from ``init`` (see ``pretrain``) or from scratch.
     ``on_round(round, outer_params)`` is called after each round. ``inner``: each replica's inner config, for
     peers that differ (e.g. batch sizes, so that their pseudo-gradients weigh differently); default ``cfg.inner``.
     ``arrival`` (overlapped): the inner step d of round r at which replica i applies round r-1's average
-    (``arrival_step``: an int, a dict ``{(r, i): d}`` or a callable; default the round's end, d = H)."""
+    (``arrival_step``: an int, a dict ``{(r, i): d}`` or a callable; default the round's end, d = H).
+    ``speeds``: each replica's speed relative to the fastest (1.0), as in rounds bounded by time: replica i trains
+    ``steps_in_round(H, speeds[i])`` inner steps a round, its LR schedule striding H over them (``Trainer.stride``);
+    ``contribution``: how its pseudo-gradient counts (``contribution_scale``)."""
     started = time.perf_counter()
     wire = get_codec(codec)
     aggregation = cfg.averaging.aggregation
@@ -213,9 +227,13 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
         own = []
         sent = []
         for i, (trainer, outer, fb, start) in enumerate(zip(trainers, outers, feedback, starts)):
-            arrived = None if pending is None else (arrival_step(arrival, rnd, i, cfg.outer.inner_steps), pending)
-            held, delta, size, trained = _local_round(trainer, outer, fb, start, wire, overlap,
-                                                      cfg.outer.inner_steps, arrived)
+            H = cfg.outer.inner_steps
+            steps = steps_in_round(H, speeds[i]) if speeds else H
+            trainer.stride = H / steps
+            arrived = None if pending is None else (arrival_step(arrival, rnd, i, steps), pending)
+            held, delta, size, trained = _local_round(trainer, outer, fb, start, wire, overlap, steps, arrived,
+                                                      contribution_scale(contribution, steps, H))
+            trainer.step = rnd * H  # the round's end, whatever the steps
             tokens += trained
             weights.append(trained)
             own.append(held)

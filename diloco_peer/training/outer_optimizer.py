@@ -275,3 +275,17 @@ def evaluate_outer(outer: OuterOptimizer, evaluate: Callable[[], float]) -> floa
     finally:
         for p, saved in zip(outer.model.parameters(), live):
             p.copy_(saved)
+
+
+CONTRIBUTIONS = ("tokens", "per_step")
+"""How a pseudo-gradient of fewer inner steps than the round's H counts in the average (``contribution_scale``)."""
+
+
+def contribution_scale(contribution: str, steps: int, inner_steps: int) -> float:
+    """What a pseudo-gradient of ``steps`` inner steps is multiplied by before it is averaged, weighted by its tokens,
+    in a round of ``inner_steps`` (H): ``tokens``, 1 (as it is: its weight is its tokens, its size its steps');
+    ``per_step``, H / steps (FedNova's normalization, Wang et al. 2020: the update per inner step, times H, so that
+    a peer of fewer steps moves the average in proportion to its tokens alone, not its tokens times its steps)."""
+    if contribution not in CONTRIBUTIONS:
+        raise ValueError(f"unknown contribution {contribution!r}: expected one of {CONTRIBUTIONS}")
+    return inner_steps / max(steps, 1) if contribution == "per_step" else 1.0

@@ -73,8 +73,20 @@ class Trainer:
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=tuple(cfg.betas), fused=self.device.type == "cuda",
         )
-        self.step = 0
-        """Inner steps taken so far by this replica: the LR-schedule position."""
+        self.position = 0.0
+        """The LR-schedule position, in inner steps (``step`` is its whole part)."""
+        self.stride = 1.0
+        """How far one inner step moves ``position``: 1, unless a round bounded by time gives this peer fewer steps
+        than the round's H (then H over its steps: its schedule keeps pace with the swarm's, see rounds/pace.py)."""
+
+    @property
+    def step(self) -> int:
+        """The LR-schedule position in whole inner steps: where a checkpoint or a synced state puts it."""
+        return int(self.position)
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.position = float(value)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -109,7 +121,7 @@ class Trainer:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self.step += 1
+            self.position += self.stride
             done += 1
         mean_loss = loss_sum.item() / max(done, 1)  # the only host sync of the whole call
         return InnerStats(done, tokens, mean_loss, time.perf_counter() - started, lr)

@@ -1,0 +1,124 @@
+"""Unequal volunteers in a real swarm: does a slow peer add its work without slowing the others?
+
+    sudo .venv/bin/python bench/unequal.py                                  # both spreads, both round lengths
+    .venv/bin/python bench/unequal.py --spreads full,full,full,0.15 --lengths time --rounds 10
+
+Four ``diloco-peer join`` processes on loopback (tiny-cpu, H=20, one thread each) and a bootstrap node. A spread
+gives each peer's cpu share: ``full`` (no limit: the fast peers share this machine's cores) or a share of one core
+(a cpu cgroup, ``tools/cpu_quota.py``: 0.15 is what the issue measured, 10.8 s for 20 inner steps where three fast
+peers took 1.9 s). Each spread runs twice per round length: the fast peers alone, then all four, side by side in
+one process, so that the machine's mood is the same for both. Per run, from the peers' event logs, over the rounds
+after the first (start-up, and the first round's H steps before anything is measured):
+
+- averaged tokens/s: tokens of every peer's averaged rounds / the wall time those rounds took (first to last end);
+- per peer: its idle fraction (the gate's wait for the others / its round time), its inner steps a round, and the
+  tokens it averaged / the tokens it trained.
+
+Then the swarm's averaged tokens/s with the slow peers against the fast peers' alone (the issue's goal: at least
+0.9), and whether every round's replicas were identical. Records go to ``bench/results.json`` (``unequal``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from results import figure, save  # noqa: E402
+
+from diloco_peer.tools.cpu_quota import available, cpu_quota  # noqa: E402
+from diloco_peer.tools.local_swarm import LocalSwarm, in_cgroup  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SETS = ["outer.inner_steps=20", "run.threads=1", "checkpoint.dir=''", "data.max_bytes=1_000_000",
+        "averaging.heartbeat=1.0", "data.eval_batches=1"]
+"""Every peer: tiny-cpu at H=20 (the issue's setting), one thread (four peers share two cores), no checkpoints, a
+small corpus, one eval batch; everything else is tiny-cpu's default: no tuning flags."""
+
+
+def run(workdir: Path, shares: list[str], length: str, rounds: int) -> dict:
+    """A swarm of ``len(shares)`` peers for ``rounds`` rounds; its measurements (see the module docstring)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    names = [f"p{i}" for i in range(len(shares))]
+    with contextlib.ExitStack() as stack:
+        swarm = stack.enter_context(LocalSwarm(workdir, sets=[*SETS, f"outer.round_length={length}",
+                                                              f"run.max_rounds={rounds}"],
+                                               env={"PYTHONPATH": str(ROOT)}))
+        swarm.start_bootstrap("--report-every", "10")
+        for name, share in zip(names, shares):
+            wrap = () if share == "full" else in_cgroup(stack.enter_context(cpu_quota(f"unequal-{name}",
+                                                                                      float(share))))
+            swarm.start_peer(name, wrap=wrap)
+        swarm.wait_for(f"{rounds} rounds of every peer", lambda: all(p.poll() is not None for p in
+                                                                      swarm.peers.values()), timeout=60 * rounds)
+        swarm.reap()
+        logs = {name: swarm.events(name, "round") for name in names}
+    return measure(logs, shares)
+
+
+def measure(logs: dict[str, list[dict]], shares: list[str]) -> dict:
+    """What a run's round events say (rounds after the first)."""
+    later = {name: [e for e in events if e["round"] > 1] for name, events in logs.items()}
+    ends = [e["time"] for events in later.values() for e in events]
+    starts = [e["time"] for events in logs.values() for e in events if e["round"] == 1]
+    wall = max(ends) - max(starts) if ends and starts else float("nan")
+    averaged = sum(e["tokens"] for events in later.values() for e in events if e["outcome"] == "averaged")
+    peers = {}
+    for (name, events), share in zip(later.items(), shares):
+        trained = sum(e["tokens"] for e in events)
+        peers[name] = {
+            "share": share, "rounds": len(events),
+            "idle": sum(e["wait_seconds"] for e in events) / max(sum(e["round_seconds"] for e in events), 1e-9),
+            "steps": statistics.median(e.get("inner_steps", 0) for e in events) if events else 0,
+            "averaged_of_trained": sum(e["tokens"] for e in events if e["outcome"] == "averaged") / max(trained, 1),
+        }
+    hashes = {}
+    for events in logs.values():
+        for e in events:
+            hashes.setdefault(e["round"], set()).add(e["param_sha256"])
+    return {"tokens_per_second": averaged / wall if wall > 0 else 0.0, "wall": wall, "peers": peers,
+            "identical": all(len(h) == 1 for h in hashes.values())}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spreads", nargs="+", default=["full,full,full,0.15", "full,0.3,0.15,0.06"],
+                        help="each: comma-separated cpu shares, 'full' or a share of one core")
+    parser.add_argument("--lengths", default="steps,time", help="comma-separated outer.round_length values")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--workdir", default="runs/bench-unequal")
+    args = parser.parse_args()
+    why = available()
+    if why:
+        print(f"bench/unequal.py: {why}", file=sys.stderr)
+        return 2
+    figures = []
+    for spread in args.spreads:
+        shares = spread.split(",")
+        fast = [s for s in shares if s == "full"]
+        for length in args.lengths.split(","):
+            tag = f"{spread.replace(',', '-')}-{length}"
+            started = time.monotonic()
+            alone = run(Path(args.workdir) / f"{tag}-fast", fast, length, args.rounds)
+            every = run(Path(args.workdir) / f"{tag}-all", shares, length, args.rounds)
+            ratio = every["tokens_per_second"] / max(alone["tokens_per_second"], 1e-9)
+            print(f"\n{spread} round_length={length}: averaged {every['tokens_per_second']:,.0f} tokens/s, the fast "
+                  f"peers alone {alone['tokens_per_second']:,.0f} ({ratio:.2f}x); identical every round: "
+                  f"{every['identical']} ({time.monotonic() - started:.0f}s)")
+            for name, peer in every["peers"].items():
+                print(f"  {name} cpu {peer['share']:>5}: {peer['steps']:>4} steps a round, idle {peer['idle']:.0%}, "
+                      f"averaged {peer['averaged_of_trained']:.0%} of its tokens")
+            figures.append(figure("unequal", every["tokens_per_second"], alone["tokens_per_second"], spread=spread,
+                                  round_length=length, rounds=args.rounds, peers=every["peers"],
+                                  identical=every["identical"]))
+    save(figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Rounds bounded by time: every peer trains as many inner steps as fit the round, so that fast and slow peers reach
+the round gate together and nobody waits for anybody.
+
+Volunteers' devices differ tenfold and more. With a fixed H every round waits for the slowest peer (the others idle),
+or leaves it behind (its compute is thrown away). ``outer.round_length = "time"`` instead fixes the round's *time*:
+
+- ``outer.inner_steps`` (H) keeps the meaning a DiLoCo user knows: the round's length in the faster peers' steps
+  (as DyLU, Liu et al. 2024). The round's *period* is the time the swarm's fastest peer takes for a round of H steps,
+  its round's other work included: ``min over peers of H * step_seconds + work_seconds``, from the progress records
+  (each peer publishes its own, as moving averages: ``step_seconds`` per inner step, ``work_seconds`` per round outside
+  training and waiting: the outer step, the eval, the records).
+- A peer's training *budget* is the period less its own other work: a fast peer trains H steps; one five times
+  slower about H / 5, and both are ready at the same time. Its inner LR schedule strides H over the steps it trains
+  (``Trainer.stride``), so every peer's schedule stays where the swarm's round is.
+- A claim is bounded: a period under ``1 / MAX_SPREAD`` of the peers' median counts as that, so one peer that
+  claims to be a thousand times faster cannot shrink everyone's rounds to one step.
+
+The first round (nothing measured yet) trains H steps. ``outer.round_length = "steps"`` trains H every round, as the
+DiLoCo paper does. How contributions of unequal steps are weighted: ``training.outer_optimizer.contribution_scale``.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from ..swarm.progress_record import ProgressRecord
+
+SMOOTHING = 0.5
+"""Weight of the newest round in the moving averages (a loaded machine's pace drifts within a few rounds)."""
+MAX_SPREAD = 20.0
+"""A period counts as at least the peers' median over this (a liar's claim of a tiny step time is bounded)."""
+
+
+class Pace:
+    """This peer's pace, and how long it trains in a round of the swarm's.
+
+    :param inner_steps: H, the round's length in the fastest peer's inner steps
+    :param timed: rounds bounded by time (``outer.round_length == "time"``); else H steps every round
+    """
+
+    def __init__(self, inner_steps: int, timed: bool):
+        self.inner_steps = inner_steps
+        self.timed = timed
+        self.step_seconds: float | None = None
+        """This peer's seconds per inner step, lately."""
+        self.work_seconds: float | None = None
+        """This peer's seconds per round outside training and waiting, lately."""
+
+    def trained(self, steps: int, seconds: float) -> None:
+        """A round's inner steps are done: ``steps`` of them took ``seconds`` (published with our "ready": the
+        others' next rounds are budgeted with it)."""
+        if steps > 0 and seconds > 0:
+            self.step_seconds = _smooth(self.step_seconds, seconds / steps)
+
+    def ended(self, round_seconds: float, train_seconds: float, waited_seconds: float) -> None:
+        """A round ended after ``round_seconds``, of which it trained ``train_seconds`` and waited ``waited_seconds``
+        (the gate and the all-reduce, or an overlapped round's wait for its exchange): the rest was its work."""
+        self.work_seconds = _smooth(self.work_seconds, max(0.0, round_seconds - train_seconds - waited_seconds))
+
+    def fields(self) -> dict:
+        """What our progress record says of our pace (nothing before we have measured it)."""
+        fields = {"step_seconds": self.step_seconds, "work_seconds": self.work_seconds}
+        return {key: value for key, value in fields.items() if value is not None}
+
+    def period(self, records: list[ProgressRecord], own: str = "") -> float | None:
+        """The round's period: the fastest peer's round of H steps, in seconds (None: nobody measured yet). Our own
+        record (peer id ``own``) counts as we measure ourselves now; a peer that has not said its work yet (its first
+        round) is taken to have as much as we do."""
+        work = self.work_seconds or 0.0
+        rounds = [self.inner_steps * r.step_seconds + (r.work_seconds if r.work_seconds is not None else work)
+                  for r in records if r.step_seconds is not None and r.peer_id != own]
+        if self.step_seconds is not None:
+            rounds.append(self.inner_steps * self.step_seconds + work)
+        if not rounds:
+            return None
+        return max(min(rounds), statistics.median_low(rounds) / MAX_SPREAD)
+
+    def budget(self, records: list[ProgressRecord], own: str = "") -> float | None:
+        """Seconds this peer (peer id ``own``) trains in the round ``records`` describe (None: H steps, not a
+        time)."""
+        period = self.period(records, own) if self.timed and self.step_seconds is not None else None
+        if period is None:
+            return None
+        return max(period - (self.work_seconds or 0.0), 0.0)
+
+    def planned_steps(self, budget: float | None) -> int:
+        """The inner steps a round of ``budget`` seconds should hold here: H at most, one at least."""
+        if budget is None:
+            return self.inner_steps
+        return max(1, min(self.inner_steps, int(budget / self.step_seconds + 0.5)))
+
+
+def _smooth(average: float | None, value: float) -> float:
+    return value if average is None else (1 - SMOOTHING) * average + SMOOTHING * value

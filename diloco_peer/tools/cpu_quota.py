@@ -1,0 +1,70 @@
+"""A slower volunteer on this machine: a cpu cgroup that holds a peer (and every process it forks) to a share of one
+core, for the benchmarks and tests of unequal swarms.
+
+    with cpu_quota("slowpeer", 0.15) as group:
+        swarm.start_peer("slow", wrap=in_cgroup(group))      # tools/local_swarm.py
+
+Linux only, as root: cgroup v1's cpu controller (``/sys/fs/cgroup/cpu``, ``cpu.cfs_quota_us``) or cgroup v2's
+(``cpu.max``). The group is removed once its processes are gone, also when the caller fails; one left behind by a
+killed run is reused (its limit written again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PERIOD_US = 100_000
+"""The quota's period: 0.1 s, the kernel's default."""
+
+
+def available() -> str:
+    """Why a cpu cgroup cannot be made here ("" if it can)."""
+    if os.geteuid() != 0:
+        return "making a cpu cgroup needs root"
+    if not (CGROUP_ROOT / "cpu" / "cpu.cfs_quota_us").exists() and not (CGROUP_ROOT / "cgroup.controllers").exists():
+        return f"no cgroup cpu controller under {CGROUP_ROOT}"
+    return ""
+
+
+@contextlib.contextmanager
+def cpu_quota(name: str, cores: float) -> Iterator[Path]:
+    """A cpu cgroup ``name`` limited to ``cores`` (e.g. 0.15: 15 ms of every 100 ms, on one core); its directory,
+    whose ``cgroup.procs`` a process writes its pid to (``local_swarm.in_cgroup``). Removed on exit."""
+    if cores <= 0:
+        raise ValueError(f"cores={cores}: give a positive share of a core, e.g. 0.15")
+    why = available()
+    if why:
+        raise RuntimeError(why)
+    v1 = (CGROUP_ROOT / "cpu" / "cpu.cfs_quota_us").exists()
+    group = (CGROUP_ROOT / "cpu" / name) if v1 else (CGROUP_ROOT / name)
+    group.mkdir(exist_ok=True)
+    quota = max(1000, int(cores * PERIOD_US))
+    if v1:
+        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(quota))
+    else:
+        (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+    try:
+        yield group
+    finally:
+        _remove(group)
+
+
+def _remove(group: Path, timeout: float = 15.0) -> None:
+    """rmdir ``group`` once its processes have exited (the caller reaped them; stragglers get ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            group.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # busy: a process is still in it
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)

@@ -1,0 +1,55 @@
+"""Unequal volunteers in a real swarm: a peer held to a fifth of a core trains fewer inner steps a round, reaches the
+gate with the others, and every round of it is averaged (rounds bounded by time, ``rounds/pace.py``).
+
+The in-process tests of the pace and of rounds of unequal steps are in ``test_rounds.py``; the quality of such rounds
+is the simulator's study (``bench/unequal_quality.py``); what the swarm gains, ``bench/unequal.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from diloco_peer.tools.cpu_quota import available, cpu_quota
+from diloco_peer.tools.local_swarm import in_cgroup
+
+ROUNDS = 5
+
+
+def require_cgroups() -> None:
+    """Skip off CI (with the reason) where no cpu cgroup can be made; fail in CI, where `make test` runs as root."""
+    why = available()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"the unequal-volunteer test must run in CI: {why}")
+        pytest.skip(why)
+
+
+def test_a_throttled_peer_trains_fewer_steps_is_averaged_every_round_and_nobody_waits_for_it(local_swarm):
+    require_cgroups()
+    local_swarm.start_bootstrap()
+    sets = [f"run.max_rounds={ROUNDS}", "outer.inner_steps=20", "checkpoint.dir=''", "data.eval_batches=1"]
+    with cpu_quota("test-unequal-slow", 0.2) as group:
+        peers = {"fast1": local_swarm.start_peer("fast1", *sets),
+                 "fast2": local_swarm.start_peer("fast2", *sets),
+                 "slow": local_swarm.start_peer("slow", *sets, wrap=in_cgroup(group))}
+        for name, proc in peers.items():
+            assert proc.wait(timeout=300) == 0, local_swarm.log(name).read_text()[-3000:]
+    rounds = {name: {e["round"]: e for e in local_swarm.events(name, "round")} for name in peers}
+    for name, by_round in rounds.items():
+        assert sorted(by_round) == list(range(1, ROUNDS + 1)), (name, sorted(by_round))
+        assert all(e["outcome"] == "averaged" for e in by_round.values()), (name, by_round)
+    for r in range(1, ROUNDS + 1):  # identical replicas every round
+        assert len({rounds[name][r]["param_sha256"] for name in peers}) == 1, r
+    fast, slow = rounds["fast1"], rounds["slow"]
+    assert fast[1]["inner_steps"] == slow[1]["inner_steps"] == 20  # nothing measured yet: H steps each
+    later = range(2, ROUNDS + 1)
+    # a fifth of a core, where the fast peers share two: the slow one fits a fraction of their steps
+    assert all(slow[r]["inner_steps"] <= 0.6 * fast[r]["inner_steps"] for r in later), \
+        [(fast[r]["inner_steps"], slow[r]["inner_steps"]) for r in later]
+    # the first round waited for the slow peer's 20 steps; once the rounds are bounded by time, the fast peers wait
+    # far less (the gate's wait, summed over their later rounds, under their first round's)
+    waited = sum(fast[r]["wait_seconds"] for r in later)
+    assert waited < fast[1]["wait_seconds"], (fast[1]["wait_seconds"], [fast[r]["wait_seconds"] for r in later])
+    assert all(slow[r]["tokens"] > 0 for r in later)  # its work is in every average
