@@ -314,8 +314,9 @@ class SwarmProgress:
                                should_stop=lambda: False, lag: int = 0) -> ReadyDecision:
         """Wait until the round of our epoch may start; we must have published ``ready=True`` already.
 
-        The round starts when (a) at least ``min_peers`` peers are alive and (b) every live peer at our
-        epoch is ready; a joined peer behind us whose record says it syncs towards our round (``round``) counts
+        The round starts when (a) at least ``min_peers`` peers are alive (their records live, trusted or not: a
+        peer whose first sync found a liar out must not count fewer peers than the others do, and sit at its first
+        gate while they average) and (b) every live peer we trust at our epoch is ready; a joined peer behind us whose record says it syncs towards our round (``round``) counts
         as one of them, not ready (a joiner one round behind at every gate never averaged). It starts anyway
         after ``ready_timeout`` seconds of (a), leaving stragglers behind, or after ``min_peers_timeout``
         seconds without (a), with whoever is there. Returns early (with reason "stopping") as soon as
@@ -356,7 +357,7 @@ class SwarmProgress:
             # round; going on alone would put us further ahead every round, never to meet them again
             swarm = quorum_epoch(records) if not lag else None
             ahead = swarm is not None and swarm < epoch
-            if len(records) >= min_peers:
+            if self.present >= min_peers:  # every live peer counts, trusted or not (below)
                 quorum_since = quorum_since if quorum_since is not None else now
                 if ready == len(same_epoch) and not ahead:
                     return ReadyDecision(ready, len(records), waited, ALL_READY, records, reads, self.present)
@@ -366,7 +367,7 @@ class SwarmProgress:
                     return ReadyDecision(ready, len(records), waited, why, records, reads, self.present)
             elif waited >= min_peers_timeout:
                 return ReadyDecision(ready, len(records), waited,
-                                     f"only {len(records)} of min_peers={min_peers} after {waited:.0f}s", records,
+                                     f"only {self.present} of min_peers={min_peers} after {waited:.0f}s", records,
                                      reads, self.present)
             await self._nap(len(records), started)
 
