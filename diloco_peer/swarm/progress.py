@@ -316,11 +316,12 @@ class SwarmProgress:
 
         The round starts when (a) at least ``min_peers`` peers are alive (their records live, trusted or not: a
         peer whose first sync found a liar out must not count fewer peers than the others do, and sit at its first
-        gate while they average) and (b) every live peer we trust at our epoch is ready; a joined peer behind us whose record says it syncs towards our round (``round``) counts
-        as one of them, not ready (a joiner one round behind at every gate never averaged). It starts anyway
-        after ``ready_timeout`` seconds of (a), leaving stragglers behind, or after ``min_peers_timeout``
-        seconds without (a), with whoever is there. Returns early (with reason "stopping") as soon as
-        ``should_stop()`` is true, so that a leaving peer never waits here.
+        gate while they average) and (b) every live peer we trust at our epoch is ready; a joined peer behind us
+        whose record says it syncs towards our round (``round``) counts as one of them, not ready (a joiner one
+        round behind at every gate never averaged). It starts anyway after ``ready_timeout`` seconds of (a),
+        leaving stragglers behind, or after ``min_peers_timeout`` seconds without (a), with whoever is there.
+        Returns early (with reason "stopping") as soon as ``should_stop()`` is true, so that a leaving peer never
+        waits here.
 
         ``lag``: the schedule's (``rounds/schedule.py``): 0 in blocking rounds; 1 in overlapped ones, where the peers
         to wait for are those whose record says they train the round of our epoch (``round``), and a peer that sent
