@@ -1,10 +1,11 @@
 """The bootstrap node: a long-lived DHT node that new peers dial first, and a window on the swarm.
 
-    diloco-peer bootstrap --identity ./boot.key --listen /ip4/0.0.0.0/tcp/31337
+    diloco-peer bootstrap --identity ./boot.key --listen /ip4/0.0.0.0/tcp/31337 --config tiny-cpu
 
 It trains nothing. It keeps a stable peer id (``--identity``; the key is created on first run, and a second
 process with it stops at once: ``swarm.addresses.hold_identity``), prints the exact ``diloco-peer join ...``
-line to give to volunteers, stores and validates the run's signed progress records like any DHT node, relays
+line to give to volunteers, publishes the run's config signed by its key (``--config``; the swarm's owner is
+whoever holds that key, ``swarm/run_config.py``), stores and validates the run's signed progress records, relays
 for peers behind NAT and dials peers back when they ask whether they are reachable (reachability.py), and logs
 a one-line summary of the swarm every ``--report-every`` seconds. With ``--metrics-port`` it serves the
 swarm-wide gauges of ``monitor.py`` on ``/metrics``. ``diloco-peer status <bootstrap>`` (``run_status``) prints
@@ -16,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,10 +31,12 @@ from .lifecycle.reaper import Reaper, kill_leftovers, new_children
 from .lifecycle.shutdown import Shutdown
 from .observe.metrics import MetricsServer
 from .observe.monitor import SwarmMonitor, format_status, status_json, summarize
-from .swarm.addresses import hold_identity, parse_multiaddr
+from .swarm.addresses import SwarmError, hold_identity, parse_multiaddr
 from .swarm.join import join_address, join_dht_peers, start_dht, visible_addresses
+from .swarm.owner_key import OwnerKey
 from .swarm.progress import add_progress_validators, fetch_progress
 from .swarm.reachability import ProbeService
+from .swarm.run_config import ConfigPublisher
 
 logger = logging.getLogger("diloco_peer.bootstrap")
 
@@ -56,13 +61,52 @@ def _announce(dht: DHT, address_file: str) -> None:
         print(f"(other addresses of this node: {' '.join(others)})", flush=True)
 
 
+def _owner_identity(identity: str, publishes: bool) -> tuple[str, OwnerKey | None, str]:
+    """The identity file this node runs with, claimed for this process (a second bootstrap with it stops here, with
+    nothing to tear down), the key that signs the run's config record (None if it cannot sign: no record then), and
+    a scratch directory to remove once the DHT has started ("" if none). Without ``identity`` the key is a new one
+    in the scratch directory: p2pd's own, made when it is given none, is out of our reach."""
+    scratch = "" if identity else tempfile.mkdtemp(prefix="diloco-bootstrap-")
+    path = identity or str(Path(scratch) / "identity.key")
+    hold_identity(path)
+    try:
+        return path, OwnerKey.load(path), scratch
+    except (OSError, ValueError) as e:
+        if publishes:
+            raise SwarmError(f"bad identity file {identity}: it cannot sign the run's config ({e}): give a key that "
+                             f"diloco-peer keygen wrote") from None
+        logger.warning(f"identity {identity} cannot sign ({e}): this node publishes no config record")
+        return path, None, scratch
+
+
+async def _report(dht: DHT, monitor: SwarmMonitor, run_id: str, report_every: float, stop: asyncio.Event) -> None:
+    """Refresh the monitor, and log a one-line summary every ``report_every`` seconds, until ``stop`` is set."""
+    refresh = min(report_every, MONITOR_REFRESH_SECONDS)  # the gauges stay fresh between log lines
+    last_report = time.monotonic()
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=refresh)
+        except TimeoutError:
+            summary = monitor.update(await fetch_progress(dht, run_id))
+            if time.monotonic() - last_report >= report_every - 1e-3:
+                last_report = time.monotonic()
+                logger.info(format_status(summary, run_id).splitlines()[0] if summary.peers
+                            else f"run '{run_id}': no training peers yet")
+
+
 async def run_bootstrap(
     listen: list[str], announce: list[str], identity: str, initial_peers: list[str], run_id: str,
     report_every: float, metrics: MetricsConfig | None = None, address_file: str = "", secret_file: str = "",
+    *, config: dict | None = None, config_name: str = "",
 ) -> int:
+    """Serve as a bootstrap node until stopped; 0 on a clean stop.
+
+    :param config: the swarm-wide part of the run's config (``config.swarm_wide.swarm_part``), published signed by
+      this node's identity to the peers that join through it; None publishes a record that says "no config"
+    :param config_name: its name, shown to the joiners (e.g. ``tiny-cpu``)
+    """
+    identity, key, scratch = _owner_identity(identity, config is not None)
     cfg = SwarmConfig(host_maddrs=listen, announce_maddrs=announce, identity_path=identity, secret_file=secret_file)
-    if identity:  # one process per identity: a second bootstrap with this key stops here, with nothing to tear down
-        hold_identity(identity)
     monitor = SwarmMonitor(run_id)
     # before the DHT starts: a busy metrics port fails at once, with nothing to tear down
     server = MetricsServer(monitor, metrics) if metrics is not None and metrics.port else None
@@ -77,27 +121,27 @@ async def run_bootstrap(
         reaper.close()
         shutdown.finished()
         raise
+    finally:
+        if scratch:  # p2pd read our new key at its start
+            shutil.rmtree(scratch, ignore_errors=True)
     reaper.watch([c.pid for c in new_children(before, reaper.proc.pid)])
+    publisher = ConfigPublisher(dht, key, config, config_name) if key is not None else None
     try:
         add_progress_validators(dht, run_id)
+        if publisher is not None:  # before the line to join us: a peer that read it finds the record
+            await publisher.start()
+            logger.info(f"publishing the run's config, signed by this node: {config_name}, run '{run_id}'" if config
+                        else "publishing no config: each peer brings its own (bootstrap --config NAME publishes one)")
         _announce(dht, address_file)
         logger.info(f"bootstrap node up for run '{run_id}', peer id {dht.peer_id.to_base58()}"
                     + ", relaying for peers behind NAT")
-        refresh = min(report_every, MONITOR_REFRESH_SECONDS)  # the gauges stay fresh between log lines
-        last_report = time.monotonic()
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=refresh)
-            except TimeoutError:
-                summary = monitor.update(await fetch_progress(dht, run_id))
-                if time.monotonic() - last_report >= report_every - 1e-3:
-                    last_report = time.monotonic()
-                    logger.info(format_status(summary, run_id).splitlines()[0] if summary.peers
-                                else f"run '{run_id}': no training peers yet")
+        await _report(dht, monitor, run_id, report_every, stop)
         logger.info("bootstrap node shutting down")
         return 0
     finally:
         shutdown.arm()  # stopping is bounded, asked to or not
+        if publisher is not None:
+            await publisher.close()
         await probes.close()
         with contextlib.suppress(TimeoutError):  # a DHT process that stopped answering is killed below
             await hivemind_calls.call(dht.shutdown, timeout=SHUTDOWN_GRACE / 2)

@@ -1,8 +1,8 @@
 """``diloco-peer``: the command line. Parse, hand over to the command (``commands.py``); errors become one
 line and an exit code.
 
-    diloco-peer bootstrap --identity ./boot.key --listen /ip4/0.0.0.0/tcp/31337
-    diloco-peer join /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW... [--config tiny-cpu] [--set inner.lr=3e-4 ...]
+    diloco-peer bootstrap --identity ./boot.key --listen /ip4/0.0.0.0/tcp/31337 [--config tiny-cpu] [--set ...]
+    diloco-peer join /ip4/1.2.3.4/tcp/31337/p2p/Qm... [--set inner.batch_size=4 ...]   # the swarm's config
     diloco-peer demo --peers 3 --rounds 5 [--config tiny-cpu] [--summary-json out.json] [--churn kill:1@round2]
     diloco-peer simulate --replicas 4 --rounds 10 [--codec int8] [--overlap delayed]
     diloco-peer prepare corpus/ --out data/corpus [--train-tokenizer 8192]
@@ -31,14 +31,15 @@ from .commands import COMMANDS, quote
 EXIT_OK = 0
 EXIT_RUNTIME = 1  # started, then failed: a crash, a demo peer that failed, no clean leave within shutdown_grace
 EXIT_USAGE = 2  # bad input: argparse's own code too; retrying the same command cannot help
-EXIT_UNREACHABLE = 3  # no bootstrap peer answered (within swarm.join_timeout): the swarm, maybe not the input
+EXIT_UNREACHABLE = 3  # no bootstrap peer answered (within swarm.join_timeout), or none sent its config: the swarm
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: a second Ctrl+C or signal, or Ctrl+C during demo
 EXIT_CODES = f"""exit codes:
   {EXIT_OK}    success
   {EXIT_RUNTIME}    failed while running (a crash, a demo peer that failed, no clean leave within run.shutdown_grace)
   {EXIT_USAGE}    bad input: command line, config file, --set, address, environment variable, checkpoint, data files,
        a config that does not fit this machine's memory (join --no-fit-check joins anyway)
-  {EXIT_UNREACHABLE}    no bootstrap peer reachable (within swarm.join_timeout): check the address, or retry later
+  {EXIT_UNREACHABLE}    no bootstrap peer reachable (within swarm.join_timeout), or none sent the swarm's config to a
+       join without --config: check the address, or retry later
   {EXIT_INTERRUPTED}  interrupted (a second Ctrl+C or SIGTERM)"""
 
 
@@ -103,7 +104,15 @@ def _add_bootstrap(sub) -> None:
                       help="address others should dial, e.g. /ip4/203.0.113.7/tcp/31337 (repeatable)")
     boot.add_argument("--initial-peer", action="append", default=[], metavar="MULTIADDR",
                       help="another bootstrap node to connect to (repeatable)")
-    boot.add_argument("--run-id", type=_name, default="diloco-tiny", help="the run whose progress this node shows")
+    boot.add_argument("--config", default=None, metavar="FILE|NAME",
+                      help="publish this config's swarm-wide keys, signed by this node, to every peer that joins "
+                           "through it (join needs no --config then), e.g. tiny-cpu; default: none, each peer "
+                           "brings its own")
+    boot.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="with --config: override one of its values, e.g. --set outer.inner_steps=20 (repeatable)")
+    boot.add_argument("--run-id", type=_name, default=None,
+                      help="the run whose progress this node shows (default: the config's run.run_id, else "
+                           "diloco-tiny)")
     boot.add_argument("--secret-file", default="", metavar="FILE", help=SECRET_FILE_HELP)
     boot.add_argument("--report-every", type=_SECONDS, default=30.0, metavar="SECONDS",
                       help="seconds between swarm summaries in the log (default 30)")
@@ -141,7 +150,8 @@ def _add_join(sub) -> None:
     """``join``: the bootstrap addresses, the config, and flags that set the config's swarm keys."""
     join = sub.add_parser("join", help="join a swarm and train")
     join.add_argument("bootstrap", nargs="+", metavar="BOOTSTRAP_MULTIADDR",
-                      help="address printed by a bootstrap node, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...")
+                      help="address printed by a bootstrap node, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...; "
+                           "the swarm's config comes from it (a bootstrap --config), --set keeps your own choices")
     _add_config_args(join)
     join.add_argument("--identity", default=None, metavar="KEY_FILE",
                       help="private key file for a stable peer id (created if missing); sets swarm.identity_path")

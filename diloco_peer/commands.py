@@ -69,9 +69,29 @@ def _check_bootstrap_args(args: argparse.Namespace):
     return metrics
 
 
+def _run_config(args: argparse.Namespace) -> tuple[dict | None, str, str]:
+    """``bootstrap``'s run: the swarm-wide part of its ``--config`` with its ``--set`` (None without ``--config``),
+    the config's name and the run id it shows."""
+    from .config import ConfigError, load_config
+    from .config.swarm_wide import swarm_part
+
+    if not args.config:
+        if args.overrides:
+            raise ConfigError("bootstrap --set needs --config NAME (the config the swarm runs), e.g. "
+                              "--config tiny-cpu --set outer.inner_steps=20")
+        return None, "", args.run_id or "diloco-tiny"
+    cfg = load_config(args.config, args.overrides)
+    if args.run_id and args.run_id != cfg.run.run_id:
+        raise ConfigError(f"--run-id {args.run_id} disagrees with the config's run.run_id={cfg.run.run_id}: drop "
+                          f"--run-id (the config names the run), or --set run.run_id={args.run_id}")
+    return swarm_part(cfg), Path(args.config).stem, cfg.run.run_id
+
+
 def bootstrap(args: argparse.Namespace) -> int:
-    """``diloco-peer bootstrap``: run a bootstrap node until it is stopped."""
+    """``diloco-peer bootstrap``: run a bootstrap node until it is stopped; with ``--config``, it publishes the
+    run's config to the peers that join through it (``swarm/run_config.py``)."""
     metrics = _check_bootstrap_args(args)
+    config, name, run_id = _run_config(args)
     import uvloop
 
     from .bootstrap_node import run_bootstrap
@@ -79,8 +99,8 @@ def bootstrap(args: argparse.Namespace) -> int:
 
     load_admission(args.secret_file, [])
     return uvloop.run(run_bootstrap(args.listen or ["/ip4/0.0.0.0/tcp/0"], args.announce, args.identity,
-                                    args.initial_peer, args.run_id, args.report_every, metrics,
-                                    args.address_file, args.secret_file))
+                                    args.initial_peer, run_id, args.report_every, metrics,
+                                    args.address_file, args.secret_file, config=config, config_name=name))
 
 
 def keygen(args: argparse.Namespace) -> int:
@@ -165,27 +185,42 @@ def _check_peer(cfg) -> None:
         load_manifest(cfg.data.shards_dir)
 
 
+def _check_config(cfg, name: str, fit_check: bool) -> None:
+    """Whether config ``cfg`` (called ``name``) can run on this machine: what it reads and writes, and (unless
+    ``--no-fit-check``) whether it fits the memory (``plan``'s check)."""
+    _check_peer(cfg)
+    if fit_check:  # before the swarm sees us: a peer that runs out of memory mid-round costs it a round
+        from .tools.plan import check_fits
+
+        check_fits(cfg, name)
+
+
 def join(args: argparse.Namespace) -> int:
-    """``diloco-peer join``: join a swarm and train until ``run.max_rounds``, a signal or a failure."""
-    from .config import load_config
+    """``diloco-peer join``: join a swarm and train until ``run.max_rounds``, a signal or a failure. The swarm-wide
+    keys come from the config its owner publishes (``swarm/run_config.py``), checked against what the volunteer
+    stated; the checks run before the DHT starts on the volunteer's own config, and again on the swarm's."""
+    from functools import partial
+
+    from .config import DEFAULT_CONFIG, load_config
+    from .config.swarm_wide import stated_keys
     from .swarm.addresses import parse_multiaddr
 
     for addr in args.bootstrap:
         parse_multiaddr(addr, need_peer_id=True, what="bootstrap address")
-    cfg = load_config(args.config, _join_overrides(args))
-    _check_peer(cfg)
-    if not args.no_fit_check:  # before the swarm sees us: a peer that runs out of memory mid-round costs it a round
-        from .config import DEFAULT_CONFIG
-        from .tools.plan import check_fits
-
-        check_fits(cfg, args.config or DEFAULT_CONFIG)
+    overrides = _join_overrides(args)
+    cfg = load_config(args.config, overrides)
+    check = partial(_check_config, fit_check=not args.no_fit_check)
+    check(cfg, args.config or DEFAULT_CONFIG)
     import uvloop
 
     from .daemon import PeerDaemon
     from .swarm.admission import load_admission
+    from .swarm.run_config import Joiner, adopt_swarm_config, owners_of
 
     load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
-    return uvloop.run(PeerDaemon(cfg, args.bootstrap, args.name or "", owns_process=True).run())
+    joiner = Joiner(cfg, stated_keys(args.config, overrides), args.config, owners_of(args.bootstrap), check)
+    return uvloop.run(PeerDaemon(cfg, args.bootstrap, args.name or "", owns_process=True,
+                                 adopt=partial(adopt_swarm_config, joiner=joiner)).run())
 
 
 def demo(args: argparse.Namespace) -> int:

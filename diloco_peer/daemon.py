@@ -21,10 +21,12 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import psutil
 import torch
+from hivemind.dht import DHT
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .averaging.averager import RoundAverager
@@ -61,10 +63,15 @@ class PeerDaemon:
     :param initial_peers: bootstrap multiaddrs (one reachable is enough); empty starts a new swarm
     :param name: a human name for logs and the event file (default: the tail of the peer id)
     :param owns_process: the daemon is this process's whole run (the CLI's ``join``), see ``Shutdown``
+    :param adopt: ``await adopt(dht, should_stop)`` once the DHT is up: the config to train with instead of ``cfg``
+      (the CLI's ``join``: the swarm's, ``swarm/run_config.py``), None if asked to stop meanwhile; ``cfg`` is used
+      only for its volunteer keys until then (``config/swarm_wide.py``)
     """
 
-    def __init__(self, cfg: PeerConfig, initial_peers: list[str], name: str = "", owns_process: bool = False):
+    def __init__(self, cfg: PeerConfig, initial_peers: list[str], name: str = "", owns_process: bool = False,
+                 adopt: Callable[[DHT, Callable[[], bool]], Awaitable[PeerConfig | None]] | None = None):
         self.cfg, self.initial_peers, self.name = cfg, list(initial_peers), name
+        self.adopt = adopt
         self.shutdown = Shutdown(cfg.run.shutdown_grace, "leaving after the current inner step", owns_process)
         self.trainer: Trainer | None = None
         """The replica and its inner optimizer; kept after ``run`` returns, for inspection (tests)."""
@@ -140,6 +147,11 @@ class PeerDaemon:
         watch = ReachabilityWatch(reach, list(cfg.swarm.relays) or self.initial_peers, cfg.swarm.reachability_check,
                                   on_change=self._on_reachability)
         try:
+            if self.adopt is not None:  # before anything is built: the swarm tells us our job
+                adopted = await self.adopt(dht, lambda: self.stopping)
+                if adopted is None:
+                    return 0  # asked to leave while still waiting for the swarm's config
+                self.cfg = adopted
             rounds = await self._start(dht, reach, watch, reaper)
             await rounds.catch_up(await self.progress.swarm_records())
             await rounds.run(self._finish_round)

@@ -393,7 +393,7 @@ async def _started(*args, **kwargs) -> int:
 
 
 class _StartedDaemon:
-    def __init__(self, cfg, bootstrap, name, owns_process=False):
+    def __init__(self, cfg, bootstrap, name, owns_process=False, adopt=None):
         pass
 
     async def run(self) -> int:
