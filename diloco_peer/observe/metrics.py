@@ -103,17 +103,22 @@ class PeerMetrics:
         self.tokens_per_second = 0.0
         self._last = {"train_loss": None, "eval_loss": None}
         self._rounds = dict.fromkeys(ROUND_OUTCOMES, 0)
+        self.reach = "unknown"
+        self._zero_labelled_counters()
+
+    def _zero_labelled_counters(self) -> None:
+        """Every label of every labelled counter exists from the start, at 0: ``rate()`` sees the first increment."""
         for outcome in ROUND_OUTCOMES:
             self.rounds.labels(outcome)
         for kind in TRAFFIC_KINDS:
-            self.sent.labels(kind), self.received.labels(kind)
+            self.sent.labels(kind)
+            self.received.labels(kind)
         for phase in PHASES:
             self.phase.labels(phase)
         for result in ("ok", "failed"):
             self.syncs.labels(result)
         for kind in OFFENSE_KINDS:
             self.rejected.labels(kind)
-        self.reach = "unknown"
 
     def observe(self, event: dict) -> None:
         """Update the metrics from one event-log entry (unknown events are ignored)."""

@@ -167,6 +167,18 @@ class ReadyDecision:
     trusted count, turned an honest peer away: ``averaging.start_when_complete``). 0: not counted."""
 
 
+def _round_peers(records: list[ProgressRecord], epoch: int, lag: int) -> tuple[int, list[ProgressRecord]]:
+    """The peers of the round of ``epoch`` among ``records`` (the gate waits for them), and how many are ready.
+    ``lag`` 1 (overlapped): those whose record says they train that round (``round``), and those that sent it (at
+    ``epoch`` and ready). ``lag`` 0 (blocking): those at ``epoch``, and joined peers behind that sync towards its round
+    (``Healing.heading_for``), not ready yet."""
+    if lag:
+        sent = [r for r in records if r.epoch == epoch and r.ready]
+        return len(sent), sent + [r for r in records if r.round == epoch and not (r.epoch == epoch and r.ready)]
+    same_epoch = [r for r in records if r.epoch == epoch or r.joined and r.epoch < epoch == r.round]
+    return sum(r.ready and r.epoch == epoch for r in same_epoch), same_epoch
+
+
 class SwarmProgress:
     """Publishes this peer's progress and decides when a round may start.
 
@@ -345,13 +357,7 @@ class SwarmProgress:
             records = await self.swarm_records()
             reads += 1
             epoch = self.record.epoch
-            if lag:
-                sent = [r for r in records if r.epoch == epoch and r.ready]
-                same_epoch = sent + [r for r in records if r.round == epoch and not (r.epoch == epoch and r.ready)]
-                ready = len(sent)
-            else:  # and joined peers that sync towards our round (``Healing.heading_for``): not ready yet
-                same_epoch = [r for r in records if r.epoch == epoch or r.joined and r.epoch < epoch == r.round]
-                ready = sum(r.ready and r.epoch == epoch for r in same_epoch)
+            ready, same_epoch = _round_peers(records, epoch, lag)
             now = time.monotonic()
             waited = now - started
             # ahead of the swarm (a round of ours failed, the others' did not): they reach our epoch round by
