@@ -30,9 +30,10 @@ settings.load_profile("derandomized")
 
 def pytest_collection_modifyitems(items):
     """Every test that starts real peers or DHT nodes is ``slow``: ``tests/lanes.py`` runs it in the swarm lane, one
-    at a time (unless it is marked ``light`` as well)."""
+    at a time (unless it is marked ``light`` as well). Those that use these fixtures are marked here; the others that
+    start a DHT or p2pd (their own, or a ``diloco-peer`` subprocess's) say so with their own marks."""
     for item in items:
-        if {"local_swarm", "dhts"} & set(item.fixturenames):
+        if {"local_swarm", "dhts", "peers"} & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
 
 

@@ -1,20 +1,25 @@
 """`make test`: the suite as two pytest processes side by side, so that two cores are both busy.
 
-- The **swarm lane** runs the tests marked ``slow`` (real multi-process swarms and DHTs; ``conftest.py`` marks
-  every test that uses ``local_swarm`` or ``dhts``) one at a time, as before: their timing bounds assume that no
-  other swarm shares the machine.
-- The **unit lane** runs everything else beside it, on one torch thread, so that it takes one core at most, and
-  the slow tests marked ``light``: at most a bootstrap node and one peer, or DHT nodes and averagers in the
-  test's own process, and no bound that the other lane's load could break. No swarm of peers, no demo.
+Every test that starts real peers, DHT nodes or p2pd (in its own process, or as ``diloco-peer`` subprocesses) is
+marked ``slow``: ``conftest.py`` marks those that use the ``local_swarm``, ``dhts`` or ``peers`` fixtures, the
+others carry the mark themselves. Then:
 
-Slow tests with swarms of their own in the unit lane made the swarm lane's tests flaky (2026-11-26, a fresh-clone
-run with four more there: a 4-peer NAT round split into two groups of two, and leaves took 4.4 s against a 4 s
-bound) and saved little (1509 s for the whole ``.ci/run`` against 1534 s without them): the suite is CPU-bound.
-With 41 tests in the swarm lane: 1516 s for the whole ``.ci/run``, pytest 1396 s (1770 s and 1642 s in one
-process the day before). With 36 (the bad-sender test's five, three averagers in the test's own process, moved
-here; 2026-11-26 afternoon, with the faster install of the Makefile): 1464 s in all, pytest 1375 s, the swarm lane
-1372 s against 1366 s with 41 in the same afternoon's run: on this CPU-bound machine the move did not shorten it,
-the install saved ~60 s.
+- The **swarm lane** runs the ``slow`` tests that are not ``light``, one at a time: swarms of real peers, and any
+  test that bounds the time something takes (a gate that must open at once when told, a state sync given up
+  within its timeout, a member dropped within seconds). Another swarm's load breaks such bounds: a slow test
+  with a swarm of its own in the other lane made this lane's tests flaky (a 4-peer round split into two groups,
+  a leave over its bound).
+- The **unit lane** runs everything else beside it, on one torch thread, so that it takes one core at most, with
+  the ``light`` tests among them. ``light`` means: it starts a DHT or p2pd, but no wall-clock bound that another
+  test's load could break: what it asserts is a record refused, a line of output, a state downloaded or refused,
+  a process gone within a generous deadline; and it starts at most a bootstrap node and one peer, or DHT nodes
+  and averagers in the test's own process. Such a test runs with the tests' short protocol timeouts (state sync
+  gives a donor seconds): it passed beside the swarm lane at several times its time alone; one that ever fails
+  there for lack of time loses its ``light`` mark.
+
+The suite is CPU-bound: a test moved from one lane to the other lengthens that lane by about what it shortens
+this one, so the lanes are arranged for bounds that hold, and the swarm lane, the longer one, decides the suite's
+time. What each arrangement measured: BENCHMARKS.md, "The test suite's two lanes".
 
 The swarm lane's output streams live; the unit lane's is written to a log and printed after it. The exit status
 is the worse of the two. Extra arguments go to both lanes (e.g. ``-x``). ``pytest`` alone still runs the whole

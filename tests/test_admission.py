@@ -102,6 +102,8 @@ def _swarm_config(tmp_path, name: str, secret: bytes | None) -> SwarmConfig:
     return SwarmConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"], secret_file=secret_file, startup_timeout=10)
 
 
+@pytest.mark.slow
+@pytest.mark.light
 def test_only_holders_of_the_secret_can_join_the_dht(tmp_path):
     boot = start_dht(_swarm_config(tmp_path, "boot", SECRET), [])
     started = [boot]

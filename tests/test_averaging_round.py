@@ -226,7 +226,6 @@ def test_a_member_that_leaves_mid_allreduce_lets_it_end_before_stopping(dhts):
     assert waited > 0.05 and not leaving.exchanging
 
 
-@pytest.mark.light
 def test_a_member_that_goes_silent_mid_allreduce_is_dropped_within_seconds(dhts):
     """A member whose averager stops as the all-reduce begins (``freeze_in_allreduce``: it sent nothing, answers
     nobody) keeps its connections up and says nothing. hivemind alone waited its reducer timeout

@@ -109,6 +109,8 @@ def cli_expected(variable: str) -> str:
     return ENVIRONMENT[variable][1]
 
 
+@pytest.mark.slow
+@pytest.mark.light
 def test_unreachable_bootstrap_names_the_address():
     before = orphaned_p2pd_pids()  # (other tests' daemons may start meanwhile: only one left behind counts)
     result = run_cli("join", GOOD_ADDR, "--set", "swarm.startup_timeout=10", "--set", "swarm.join_timeout=0")
@@ -118,6 +120,8 @@ def test_unreachable_bootstrap_names_the_address():
     assert orphaned_p2pd_pids() <= before, "a failed start must not leave a p2pd daemon behind"
 
 
+@pytest.mark.slow
+@pytest.mark.light
 def test_status_of_an_unreachable_swarm_exits_3_at_once():
     before = orphaned_p2pd_pids()
     result = run_cli("status", GOOD_ADDR, "--wait", "1")
@@ -179,6 +183,8 @@ def test_bootstrap_prints_join_line_and_keeps_identity(local_swarm):
     assert peer_ids[0] == peer_ids[1] == peer_ids[2]  # keygen's peer id, kept across restarts
 
 
+@pytest.mark.slow
+@pytest.mark.light
 def test_unreachable_bootstrap_is_retried_with_backoff_then_given_up():
     started = time.monotonic()
     # 12 s: room for two retries (after 2 s and 4 s) even where starting the DHT takes seconds (a loaded machine)

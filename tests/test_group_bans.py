@@ -49,7 +49,6 @@ def test_no_member_kept_bans_another_and_every_leader_decides_alike(seed):
         assert left_out({m: bans[m] for m in order}, leader="p0") == out
 
 
-@pytest.mark.light
 def test_a_member_that_refuses_its_group_withdraws_and_nobody_waits_for_it(dhts, monkeypatch, capfd):
     """The path the leave-out rule cannot cover: a leader lets in a peer that a member refuses (here an allowlist
     only that member holds; a ban the leader does not know of, or a leader that ignores the rule, end the same

@@ -115,6 +115,8 @@ async def _one_solo_allreduce(dht: DHT) -> tuple[dict, list[torch.Tensor]]:
         await p2p.shutdown()
 
 
+@pytest.mark.slow
+@pytest.mark.light
 def test_every_private_attribute_we_read_exists_on_real_objects():
     dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     averager = None
@@ -147,6 +149,7 @@ class _StaleProbe(PseudoGradientAverager):
         future.set_result(averaging_pb2.MessageCode.Name(reply.code))
 
 
+@pytest.mark.slow
 def test_a_leader_turns_away_a_join_request_that_waited_past_half_the_request_timeout():
     """The request's sender gave up after ``request_timeout``: a group formed with it would miss a member."""
     dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])

@@ -100,6 +100,7 @@ def test_round_buffers_give_their_memory_back():
     assert not release_pages([torch.ones(4)])  # private memory is never given back behind the allocator's back
 
 
+@pytest.mark.light
 def test_a_failed_rounds_average_gives_its_memory_back_and_our_pseudo_gradient_stays(peers):
     """After a failed round a peer downloads the swarm's state, or (none to be had) steps alone with its own
     pseudo-gradient: the average is never read again, and its buffer goes back before the download."""
@@ -158,6 +159,7 @@ def test_a_solo_step_takes_our_own_pseudo_gradient_even_where_the_average_was_wr
                                                        (0, True, False)],
                          ids=["before-the-first-tensor", "after-one-tensor", "before-the-first-tensor-to-a-file",
                               "momentum-off-the-host-to-a-file"])
+@pytest.mark.light
 def test_a_donor_stepping_during_a_download_serves_the_state_it_started_with(peers, sent_first, spill, shared,
                                                                              tmp_path, monkeypatch):
     """The copy of the unread rest is in memory, or (a state over ``serve_copy_in_memory_mb``) in a file read back
@@ -215,6 +217,7 @@ def test_a_donor_stepping_during_a_download_serves_the_state_it_started_with(pee
         assert not any(s.path.exists() for s in spilled), "the file of the download's copy outlived the download"
 
 
+@pytest.mark.light
 def test_a_long_state_download_says_how_far_it_is(peers, monkeypatch, capfd):
     monkeypatch.setattr(state_transfer, "PROGRESS_EVERY", 0.0)  # before the averager processes fork
     handler = logging.StreamHandler(sys.stderr)  # (the daemon configures logging; a test process does not)

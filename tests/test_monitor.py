@@ -67,6 +67,8 @@ def honest_and_attacker():
         dht.shutdown()
 
 
+@pytest.mark.slow
+@pytest.mark.light
 def test_forged_or_malformed_swarm_records_are_rejected(honest_and_attacker):
     root, honest, attacker = honest_and_attacker
     SwarmProgress(root, RUN, "root", heartbeat=5)  # the bootstrap: validators installed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from helpers import run_cli
 from multiaddr import Multiaddr
 
@@ -45,6 +46,8 @@ def test_free_port_addrs_picks_one_port_for_the_probe_and_the_dht():
     assert resolved[1] == "/ip4/127.0.0.1/tcp/40001"
 
 
+@pytest.mark.slow
+@pytest.mark.light
 def test_a_bootstrap_relay_grants_big_circuits_and_dials_a_listening_peer_back():
     async def main():
         dht, probes = await start_relay(SwarmConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), [])

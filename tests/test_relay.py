@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hivemind.p2p import P2P
 from multiaddr import Multiaddr
 
@@ -18,6 +19,8 @@ def test_limits_in_words():
     assert limit_text(None, None) == "no data limit and no time limit per relayed connection"
 
 
+@pytest.mark.slow
+@pytest.mark.light
 def test_the_limit_check_tells_go_libp2ps_default_relay_from_the_configured_one():
     async def main():
         with p2pd_flags(relayService="0"):  # then only the default relay runs (p2pd's daemon.go starts it)

@@ -84,6 +84,7 @@ def test_peers_that_have_not_joined_do_not_vote():
     assert swarm_target(newcomers + [_record("liar", 1000, "0" * 64, joined=False)]).epoch == 0
 
 
+@pytest.mark.light
 def test_newcomer_downloads_weights_momentum_and_epoch(peers):
     donor, newcomer = peers(), peers()
     donor.advance(3)
@@ -108,6 +109,7 @@ def test_newcomer_downloads_weights_momentum_and_epoch(peers):
     assert param_sha256(newcomer.outer.params) == param_sha256(donor.outer.params)
 
 
+@pytest.mark.light
 def test_a_peer_that_only_ever_syncs_says_why_it_does_not_catch_up(peers, caplog):
     """A joiner whose download outlasts the swarm's rounds arrives one epoch late each time and downloads again (on
     an H200: 13 downloads in 200 s and no round). After ``FALLING_BEHIND`` syncs with no round of its own between
@@ -133,6 +135,7 @@ def _fp16_rounds(*peers_, rounds=1):
                 peer.sync.after_outer_step()
 
 
+@pytest.mark.light
 def test_a_peer_rounds_behind_catches_up_with_their_logged_updates_not_the_state(peers, tmp_path, monkeypatch):
     """A joiner whose download outlasted rounds downloaded the state again, and again (``FALLING_BEHIND``): the
     donor now logs the rounds that end while someone downloads, and a peer a few rounds behind computes the
@@ -173,6 +176,7 @@ def test_a_peer_rounds_behind_catches_up_with_their_logged_updates_not_the_state
     assert newcomer.sync.state_hash == donor.sync.state_hash
 
 
+@pytest.mark.light
 def test_rounds_are_logged_only_for_a_peer_likely_behind_and_never_replayed_onto_another_state(peers, monkeypatch,
                                                                                                caplog):
     """Nothing is logged without a download in flight or begun within two rounds (at least ``MIN_WINDOW``), and
@@ -198,6 +202,7 @@ def test_rounds_are_logged_only_for_a_peer_likely_behind_and_never_replayed_onto
     assert not [r.getMessage() for r in caplog.records if "no rounds from" in r.getMessage()]
 
 
+@pytest.mark.light
 def test_bad_donors_are_skipped_and_the_next_one_tried(peers):
     good, declining, newcomer = peers(), peers(), peers()
     good.advance(2)
@@ -211,6 +216,7 @@ def test_bad_donors_are_skipped_and_the_next_one_tried(peers):
     assert param_sha256(newcomer.outer.params) == param_sha256(good.outer.params)
 
 
+@pytest.mark.light
 def test_a_download_broken_off_resumes_from_another_donor_where_it_was(peers, monkeypatch, caplog):
     """The first donor's stream ends after 5 tensors (fault ``break_serve``): the next donor sends the rest only,
     the 5 tensors kept having matched the digests listed for the swarm's state."""
@@ -231,6 +237,7 @@ def test_a_download_broken_off_resumes_from_another_donor_where_it_was(peers, mo
     assert newcomer.sync.digests == good.sync.digests
 
 
+@pytest.mark.light
 @pytest.mark.parametrize("shared", [False, True], ids=["momentum-off-the-host", "momentum-in-shared-memory"])
 def test_the_momentum_is_downloaded_into_a_file_and_resumed_there(peers, monkeypatch, tmp_path, shared):
     """A download stages the momentum half in a file of the peer's spill directory, not in memory (4 bytes per
@@ -266,6 +273,7 @@ def test_the_momentum_is_downloaded_into_a_file_and_resumed_there(peers, monkeyp
     # it publishes epoch 2 and the swarm's hash, but serves its state as epoch 1000
     ("lie_epoch:1000", "it sent epoch 1000, expected the swarm's 2 (>= ours, 0)"),
 ])
+@pytest.mark.light
 def test_a_corrupt_or_lying_donor_is_rejected_with_its_reason_and_the_next_one_used(peers, monkeypatch, fault, reason):
     good, newcomer, bad = peers(), peers(), peers(faults=Faults.parse(fault))
     good.advance(2)
@@ -284,6 +292,7 @@ def test_a_corrupt_or_lying_donor_is_rejected_with_its_reason_and_the_next_one_u
     assert [(o["offender"], o["kind"], o["detail"]) for o in offenses] == [(bad.id, "state", reason)], offenses
 
 
+@pytest.mark.light
 def test_an_honest_donor_named_by_a_forged_record_is_no_offender(peers):
     """Progress records are signed by per-process keys, not peer ids: anyone can publish one under an honest
     peer's id claiming a state that peer does not hold. A syncing peer then downloads the honest state, which
@@ -307,6 +316,7 @@ def test_an_honest_donor_named_by_a_forged_record_is_no_offender(peers):
     assert [(o["offender"], o["kind"]) for o in offenses] == [(bad.id, "state")], offenses
 
 
+@pytest.mark.light
 @pytest.mark.parametrize("poison", ["momentum", "inner_step", "momentum, self-consistent"])
 def test_a_donor_serving_the_true_weights_with_poisoned_momentum_or_lr_position_is_refused(peers, poison):
     """An attacker's client (its state provider replaced, not a fault hook) serves the swarm's weights and
@@ -392,6 +402,7 @@ def test_a_donor_that_serves_then_stalls_is_given_up_on_and_the_next_one_sends_t
     assert newcomer.averager.offenses() == []
 
 
+@pytest.mark.light
 def test_a_donor_that_trained_on_during_the_download_is_no_offense(peers):
     good, newcomer = peers(), peers()
     good.advance(2)
@@ -411,6 +422,7 @@ def test_a_donor_that_trained_on_during_the_download_is_no_offense(peers):
     assert result.later is None  # handed over: its memory is not held twice
 
 
+@pytest.mark.light
 def test_a_later_state_that_is_not_the_new_target_is_downloaded_again(peers):
     good, newcomer = peers(), peers()
     good.advance(2)
@@ -423,6 +435,7 @@ def test_a_later_state_that_is_not_the_new_target_is_downloaded_again(peers):
     assert newcomer.outer.epoch == 3 and newcomer.sync._own_hash() == good.sync.state_hash
 
 
+@pytest.mark.light
 def test_states_that_fail_the_checks_are_refused(peers):
     donor, newcomer = peers(), peers()
     foreign = peers(fingerprint="another-model")
@@ -447,6 +460,7 @@ def test_states_that_fail_the_checks_are_refused(peers):
     assert not result.ok and result.error == "no peer holds the swarm's state"
 
 
+@pytest.mark.light
 def test_needs_sync_says_why(peers):
     me = peers()
     assert me.sync.needs_sync(None) == ""
