@@ -439,3 +439,19 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
     loss = last[min(averaged)]["eval_loss"]
     summary = {name: [(r["outcome"], r["group_size"], round(r["eval_loss"], 3)) for r in seen[name]] for name in seen}
     assert loss < clean[-1] * (1.02 if as_clean else 1.05), (loss, clean, summary)
+
+
+def test_a_member_that_weighs_less_than_the_median_does_not_judge_averages_by_direction():
+    """Rounds bounded by time: a peer that trained a fifth of the others' steps holds a part whose direction says
+    little of the average's (an honest average pointed away from it, cosine -0.13, and was refused). It checks
+    norms and values still; the members that weigh in check directions too."""
+    limits = Limits(robust=True)
+    own = torch.ones(2048)
+    away = -0.1 * torch.ones(2048)  # an average pointing away from our part
+    assert _kind(check_average, away, own, limits) == "direction"
+    light = limits.for_member([2000, 2000, 500], ours=500)
+    assert not light.average_direction and _kind(check_average, away, own, light) == ""
+    assert _kind(check_average, torch.full((2048,), float("nan")), own, light) == "non_finite"
+    assert _kind(check_average, 100 * torch.ones(2048), own, light) == "norm"
+    assert limits.for_member([2000, 2000, 500], ours=2000) is limits  # at or above the median: unchanged
+    assert limits.for_member([1000, 1000], ours=1000) is limits  # an equal swarm: everyone checks, as before

@@ -300,6 +300,16 @@ class PseudoGradientAverager(DecentralizedAverager):
         capped = capped_bandwidths([b if r else 0.0 for b, r in zip(bandwidths, reducing)])
         return load_balance_peers(self.total_size, capped, self.allreduce_kwargs["min_vector_size"])
 
+    def _member_limits(self, group_info) -> Limits:
+        """Our checks of this group's averages: ``Limits.for_member``, by the tokens each member gathered."""
+        tokens = []
+        for gathered in group_info.gathered:
+            try:
+                tokens.append(float(self.serializer.loads(self.serializer.loads(gathered)[2]).get("tokens", 0)))
+            except Exception:  # not our gather format: Membership.refusal deals with such a member
+                tokens.append(0.0)
+        return self.limits.for_member(tokens, tokens[group_info.peer_ids.index(self.peer_id)])
+
     async def _refuse_group(self, group_info, group_id: bytes) -> None:
         # a leader let in a peer we refuse (or is one; leaders leave out banned peers, see group_bans.py, but one
         # may not): we average with nobody in this group, and say so at once, so that nobody waits for us
@@ -352,7 +362,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         runner = ExactAllReduceRunner(
             traffic=self.traffic,
             relayed=relayed,
-            limits=self.limits,
+            limits=self._member_limits(group_info),
             on_offense=lambda peer_id, problem: self._report(peer_id, problem.kind, problem.detail, problem.counts),
             faults=self.faults,
             allreduce=self.allreduces,

@@ -25,6 +25,8 @@ bytes on every run).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +60,19 @@ class Limits:
     robust: bool = False
     min_cosine: float = 0.0
     ban_cosine: float = -0.5
+    average_direction: bool = True
+    """Check the direction of each average a reducer returns against our own part (``check_average``); off for a
+    member that weighs less than the group's median member (``for_member``)."""
+
+    def for_member(self, weights: list[float], ours: float) -> Limits:
+        """The limits a member weighing ``ours`` (its tokens) checks averages with, in a group weighing ``weights``.
+        Where our part weighs less than the median member's (a peer that trained a fifth of the others' steps in a
+        round bounded by time), its direction says little of the average's, which the heavier parts set: an honest
+        average then pointed away from it (cosine -0.13) and was refused. So such a member does not judge averages
+        by direction; the members that weigh in do, and the reducers judge every part."""
+        if not weights or ours >= statistics.median_low(weights):
+            return self
+        return dataclasses.replace(self, average_direction=False)
 
     @classmethod
     def of(cls, cfg) -> Limits:
@@ -188,7 +203,8 @@ def check_average(averaged: torch.Tensor, own_part: torch.Tensor, limits: Limits
     if limits.max_update_ratio and norm > limits.max_update_ratio * max(own_norm, 1e-12):
         raise BadContribution("norm", f"averaged part norm {norm:.3g} is {norm / max(own_norm, 1e-12):.0f}x ours "
                                       f"(averaging.max_update_ratio={limits.max_update_ratio:g})")
-    if limits.robust and own_norm > 0 and norm > 0 and own_part.numel() >= MIN_DIRECTION_VALUES:
+    if limits.robust and limits.average_direction and own_norm > 0 and norm > 0 \
+            and own_part.numel() >= MIN_DIRECTION_VALUES:
         cosine = float(torch.nn.functional.cosine_similarity(averaged.double().flatten(),
                                                              own_part.double().flatten(), dim=0))
         if cosine < limits.min_cosine:  # (counted or not: ``allreduce.ExactAllReduceRunner.settle_disputes``)

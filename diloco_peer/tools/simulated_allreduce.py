@@ -75,8 +75,8 @@ def group_average(own: list[list[torch.Tensor]], sent: list[list[torch.Tensor]],
             result, bad = aggregate(parts, j, limits)
             dropped |= {s for s, _ in bad}
             result, _ = wire.roundtrip(result)  # the reducer's reply crosses the wire
-            members = [own_spans[m][j][p] for m in range(k) if m != j]
-            refused += len(bad) + sum(_refuses(result, mine, limits) for mine in members)
+            members = [(own_spans[m][j][p], limits.for_member(weights, weights[m])) for m in range(k) if m != j]
+            refused += len(bad) + sum(_refuses(result, mine, checks) for mine, checks in members)
             averaged.append(result.flatten())
     flat = torch.cat(averaged)
     average = [t.view_as(s) for t, s in zip(flat.split([s.numel() for s in sent[0]]), sent[0])]
