@@ -80,13 +80,13 @@ def main() -> int:
         runs.append({"replicas": args.replicas, "H": args.H, "steps": args.steps, "pretrain": args.pretrain,
                      "codec": codec, "spread": spread, "contribution": contribution, "rounds": run_rounds,
                      "steps_per_round": [steps_in_round(args.H, v) for v in speeds], "overrides": args.overrides,
-                     "tokens": tokens, "eval_loss_at_tokens": loss, "eval_loss": run.eval_loss,
+                     "tokens": tokens, "eval_loss_at_tokens": loss, "eval_loss": run.eval_loss, "refused": run.refused,
                      "tokens_curve": run.tokens, "seconds": round(time.perf_counter() - started, 1)})
         reference = reference or runs[-1]
         gap = math.exp(loss - reference["eval_loss_at_tokens"]) - 1
         print(f"K={args.replicas} H={args.H} spread {spread:16} {contribution:8} {run_rounds:3} rounds: eval loss "
-              f"{loss:.4f} at {tokens:,} tokens (ppl {math.exp(loss):.3f}, {gap * 100:+.2f}% vs equal) in "
-              f"{runs[-1]['seconds']:.0f}s", flush=True)
+              f"{loss:.4f} at {tokens:,} tokens (ppl {math.exp(loss):.3f}, {gap * 100:+.2f}% vs equal), {run.refused} "
+              f"honest contributions refused, in {runs[-1]['seconds']:.0f}s", flush=True)
     append_runs(runs, args.out)
     return 0
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,7 +57,8 @@ def cpu_quota(name: str, cores: float) -> Iterator[Path]:
 
 
 def _remove(group: Path, timeout: float = 15.0) -> None:
-    """rmdir ``group`` once its processes have exited (the caller reaped them; stragglers get ``timeout``)."""
+    """rmdir ``group`` once its processes have exited: the caller reaps them; what is still in it after ``timeout``
+    seconds (a caller that failed before it could) is killed, the group being ours."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -66,5 +68,12 @@ def _remove(group: Path, timeout: float = 15.0) -> None:
             return
         except OSError:  # busy: a process is still in it
             if time.monotonic() >= deadline:
-                raise
+                _kill_members(group)
+                deadline = time.monotonic() + timeout
             time.sleep(0.2)
+
+
+def _kill_members(group: Path) -> None:
+    for pid in (group / "cgroup.procs").read_text().split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
