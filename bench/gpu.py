@@ -5,7 +5,7 @@
     .venv/bin/python bench/gpu.py --allow-cpu --config tiny-cpu    # a dry run of this script on a CPU
 
 One real peer (``diloco-peer demo --peers 1``: a bootstrap node and one daemon) trains the 150M Llama of
-OpenDiLoCo (``diloco_peer/config/presets/llama-150m.toml`` with the offline data and byte vocabulary, so nothing downloads)
+OpenDiLoCo (``configs/llama-150m.toml`` with the offline data and byte vocabulary, so nothing downloads)
 on the GPU. From its event log: inner-loop tokens/s, and utilization = time in inner steps / wall time of
 a round (alone, a round has no network time: this is the daemon's own cost per round).
 

@@ -6,7 +6,7 @@ do after the gate (``expected`` = 3: the group starts as soon as everyone is in)
 all-reduce as the daemon's record counts it (``allreduce_seconds``: group bits, matchmaking, exchange) and its
 exchange alone (``transfer_seconds``). Rounds are ``--pause`` seconds apart (the inner steps' place). Three
 runs side by side, fresh averager processes each: the leader's assembly grace as shipped (waited only while the
-leader's event loop has not been on time, ``hivemind_internals.LoopLag``), waited always, and never.
+leader's event loop has not been on time, ``assembly_grace.LoopLag``), waited always, and never.
 
     .venv/bin/python bench/round_latency.py                  # tiny-cpu (0.36M parameters), 20 rounds each
     .venv/bin/python bench/round_latency.py --rounds 30 --set averaging.compression=int8
@@ -35,7 +35,7 @@ import statistics
 import torch
 from hivemind.dht import DHT
 
-from diloco_peer.averaging import hivemind_internals, robust_aggregation
+from diloco_peer.averaging import assembly_grace, robust_aggregation
 from diloco_peer.averaging.averager import RoundAverager
 from diloco_peer.config.loading import load_config
 from diloco_peer.training.model import parameter_shapes
@@ -78,17 +78,17 @@ def _summary(times: list[tuple[float, float]], skip: int) -> str:
 
 def _first_rounds(nodes: list[DHT], shapes, cfg, count: int, pause: float) -> None:
     """``count`` first rounds per loop watch, the two watches taking turns (fresh averager processes each)."""
-    shipped = hivemind_internals.LoopLag
+    shipped = assembly_grace.LoopLag
     watches = {"as shipped": shipped, "a whole window": lambda watched=None: shipped()}
     firsts: dict[str, list[float]] = {name: [] for name in watches}
     try:
         for turn in range(count):
             for name, watch in watches.items():
-                hivemind_internals.LoopLag = watch
+                assembly_grace.LoopLag = watch
                 firsts[name].append(_measure(nodes, shapes, cfg, 1, pause, f"first-{turn}-{len(firsts[name])}-"
                                              f"{name.replace(' ', '-')}")[0][0])
     finally:
-        hivemind_internals.LoopLag = shipped
+        assembly_grace.LoopLag = shipped
     print(f"first rounds, {pause:g} s after the averagers start:")
     for name, times in firsts.items():
         print(f"  loop watch {name:<15} all-reduce {', '.join(f'{t:.3f}' for t in times)} s; median "
@@ -133,7 +133,7 @@ def main() -> None:
     nodes = [DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                  initial_peers=[str(a) for a in root.get_visible_maddrs()]) for _ in range(3)]
     # the first rounds of a run: connections open, and the grace is waited until the loop watch has a window
-    skip = min(args.rounds - 1, int(hivemind_internals.LoopLag().window / (args.pause + 0.2)) + 2)
+    skip = min(args.rounds - 1, int(assembly_grace.LoopLag().window / (args.pause + 0.2)) + 2)
     try:
         if args.first_rounds:
             return _first_rounds(nodes, shapes, cfg, args.first_rounds, args.pause)
@@ -156,16 +156,16 @@ def _flat(nodes: list[DHT], shapes, cfg, rounds: int, pause: float) -> dict[str,
 
 def _graces(nodes: list[DHT], shapes, cfg, rounds: int, pause: float) -> dict[str, list[tuple[float, float]]]:
     """The leader's assembly grace as shipped, always and never, each in fresh averager processes."""
-    grace, calm = hivemind_internals.ASSEMBLY_GRACE, hivemind_internals.LoopLag.calm
+    grace, calm = assembly_grace.ASSEMBLY_GRACE, assembly_grace.LoopLag.calm
     runs = {}
     try:
         runs["as shipped"] = _measure(nodes, shapes, cfg, rounds, pause, "latency-shipped")
-        hivemind_internals.LoopLag.calm = lambda self: False
+        assembly_grace.LoopLag.calm = lambda self: False
         runs[f"grace {grace} s always"] = _measure(nodes, shapes, cfg, rounds, pause, "latency-grace")
-        hivemind_internals.ASSEMBLY_GRACE = 0.0
+        assembly_grace.ASSEMBLY_GRACE = 0.0
         runs["grace never"] = _measure(nodes, shapes, cfg, rounds, pause, "latency-no-grace")
     finally:
-        hivemind_internals.ASSEMBLY_GRACE, hivemind_internals.LoopLag.calm = grace, calm
+        assembly_grace.ASSEMBLY_GRACE, assembly_grace.LoopLag.calm = grace, calm
     return runs
 
 
