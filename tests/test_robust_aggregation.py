@@ -455,3 +455,20 @@ def test_a_member_that_weighs_less_than_the_median_does_not_judge_averages_by_di
     assert _kind(check_average, 100 * torch.ones(2048), own, light) == "norm"
     assert limits.for_member([2000, 2000, 500], ours=2000) is limits  # at or above the median: unchanged
     assert limits.for_member([1000, 1000], ours=1000) is limits  # an equal swarm: everyone checks, as before
+
+
+def test_a_reducer_that_trained_few_steps_takes_the_heavier_honest_parts_and_still_refuses_a_liar():
+    """In a group of three or more a reducer's weight and norm checks compare with the group's median part, not its
+    own: a slow volunteer (a tenth of the others' steps and tokens) reduces their parts; a part 50x the median's
+    weight or norm is refused as before. In a pair, the reducer's own part is still the reference."""
+    limits = Limits(robust=False)
+    slow = (0.05 * torch.ones(4), 2.0)  # ours: 2 steps' tokens, a short pseudo-gradient
+    fast = [(torch.ones(4), 20.0) for _ in range(3)]
+    parts = {0: slow, 1: fast[0], 2: fast[1], 3: fast[2]}
+    _, refused = aggregate(parts, 0, limits)
+    assert refused == []
+    heavy = {**parts, 4: (torch.ones(4), 20.0 * 50)}
+    assert [(s, p.kind) for s, p in aggregate(heavy, 0, limits)[1]] == [(4, "weight")]
+    long = {**parts, 4: (50 * torch.ones(4), 20.0)}
+    assert [(s, p.kind) for s, p in aggregate(long, 0, limits)[1]] == [(4, "norm")]
+    assert [(s, p.kind) for s, p in aggregate({0: slow, 1: (torch.ones(4), 30.0)}, 0, limits)[1]] == [(1, "weight")]

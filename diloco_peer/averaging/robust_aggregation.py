@@ -5,8 +5,9 @@ the sender claims, and a member applies whatever its reducers send back. A swarm
 broken hardware, buggy forks and attackers, so here every number is checked where it enters:
 
 - **as a reducer**, each incoming part of a pseudo-gradient (``CheckedPartReducer``): exact shape, float32,
-  finite, a sane weight (finite, positive, at most ``max_weight_ratio`` times our own tokens), and a norm at
-  most ``max_update_ratio`` times our own part's. In ``robust`` mode, once a part is in from every sender,
+  finite, a sane weight (finite, positive, at most ``max_weight_ratio`` times the group's median member's tokens;
+  ours in a pair), and a norm at most ``max_update_ratio`` times the median part's (ours in a pair: ``_references``).
+  In ``robust`` mode, once a part is in from every sender,
   parts pointing against the group (groups of 3+, parts of ``MIN_DIRECTION_VALUES`` or more: cosine with the
   coordinate-wise median below ``min_cosine``) are dropped and the rest are clipped to the median norm and
   averaged with weights clipped to the median weight, so that no single member can move the average far,
@@ -157,16 +158,17 @@ def aggregate(parts: dict[int, tuple[torch.Tensor, float]], own: int | None,
     refused: list[tuple[int, BadContribution]] = []
     norms = {s: _norm(p) for s, (p, _) in parts.items()}
     if own is not None and own in parts:
-        own_part, own_weight = parts[own]
+        weight_ref, norm_ref, whose = _references(parts, norms, own)
         for s, (p, w) in parts.items():
             if s == own:
                 continue
-            if limits.max_weight_ratio and w > limits.max_weight_ratio * own_weight:
-                refused.append((s, BadContribution("weight", f"weight {w:g} is {w / max(own_weight, 1e-12):.0f}x ours "
-                                                             f"(averaging.max_weight_ratio={limits.max_weight_ratio:g})")))
-            elif limits.max_update_ratio and norms[s] > limits.max_update_ratio * max(norms[own], 1e-12):
+            if limits.max_weight_ratio and w > limits.max_weight_ratio * weight_ref:
+                refused.append((s, BadContribution("weight", f"weight {w:g} is {w / max(weight_ref, 1e-12):.0f}x "
+                                                             f"{whose} (averaging.max_weight_ratio="
+                                                             f"{limits.max_weight_ratio:g})")))
+            elif limits.max_update_ratio and norms[s] > limits.max_update_ratio * max(norm_ref, 1e-12):
                 refused.append((s, BadContribution("norm", f"part norm {norms[s]:.3g} is "
-                                                           f"{norms[s] / max(norms[own], 1e-12):.0f}x ours "
+                                                           f"{norms[s] / max(norm_ref, 1e-12):.0f}x {whose} "
                                                            f"(averaging.max_update_ratio={limits.max_update_ratio:g})")))
     kept = {s: pw for s, pw in parts.items() if s not in {r for r, _ in refused}}
     if limits.robust and own in kept and len(kept) >= 3 and parts[own][0].numel() >= MIN_DIRECTION_VALUES:
@@ -193,6 +195,18 @@ def aggregate(parts: dict[int, tuple[torch.Tensor, float]], own: int | None,
         result.add_(p, alpha=w)
         denominator += w
     return result.div_(denominator), refused
+
+
+def _references(parts: dict[int, tuple[torch.Tensor, float]], norms: dict[int, float],
+                own: int) -> tuple[float, float, str]:
+    """What a reducer's ratio checks compare a sender's weight and norm with, and whose they are: in a pair, our own
+    part's; in a group of three or more, the group's median part's (ours included, the lower median: a minority
+    cannot raise it). A reducer that trained a tenth of the others' steps (a slow volunteer, rounds bounded by time)
+    would otherwise refuse every honest part as too heavy or too long."""
+    if len(parts) < 3:
+        return parts[own][1], norms[own], "ours"
+    weights = [w for _, w in parts.values()]
+    return statistics.median_low(weights), statistics.median_low(norms.values()), "the group's median"
 
 
 def check_average(averaged: torch.Tensor, own_part: torch.Tensor, limits: Limits) -> None:

@@ -253,11 +253,13 @@ class AveragingConfig(_Section):
     """Refuse an averaged pseudo-gradient whose norm exceeds this many times our own (a weighted mean of
     honest pseudo-gradients is never longer than the longest of them); non-finite values are always
     refused. The round then counts as failed and the peer re-syncs. 0 disables the norm check.
-    The same bound applies to every part a reducer receives and every averaged part it returns: an
-    offending sender is dropped from the round, an offending reducer's parts are not used."""
+    The same bound applies to every part a reducer receives (against the group's median part's norm, in groups of
+    three or more; ours in a pair) and every averaged part it returns: an offending sender is dropped from the
+    round, an offending reducer's parts are not used."""
     max_weight_ratio: float = Field(10.0, ge=0)
-    """Refuse a sender claiming more than this many times our tokens for the round (its weight in the
-    mean is the tokens it claims); 0 disables the check. Raise it for swarms of very unequal batch sizes."""
+    """Refuse a sender claiming more than this many times the tokens of the group's median member for the round
+    (ours in a pair; its weight in the mean is the tokens it claims); 0 disables the check. Raise it for pairs of
+    very unequal batch sizes or speeds."""
     aggregation: Literal["mean", "robust"] = "robust"
     """``robust`` (the default): a reducer drops parts pointing against the group (cosine with the coordinate-wise
     median below ``min_cosine``, groups of 3+, parts of 1024 values or more), clips the rest to the median norm
