@@ -222,7 +222,7 @@ class FakeSwarm:
         self.tmp, self.outer_cfg = tmp, outer
         # (no norm check here: a peer whose replica reached its own target sends ~0, and the mean is 10x that; the
         # verdict's own tests check the norm)
-        self.averaging = averaging or AveragingConfig(ready_timeout=0.5, heartbeat=0.05, max_update_ratio=0.0)
+        self.averaging = averaging or AveragingConfig(ready_timeout=2.0, heartbeat=0.05, max_update_ratio=0.0)
         self.board, self.hub = Board(), Hub()
         self.peers: dict[str, Peer] = {}
 

@@ -9,11 +9,12 @@ The real-swarm tests (``test_outer_round.py``, ``test_churn.py``) run the same l
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
 import torch
-from fake_swarm import FakeSwarm, PullTrainer
+from fake_swarm import Board, BoardProgress, FakeSwarm, PullTrainer
 
 from diloco_peer.averaging.averager import RoundResult
 from diloco_peer.config import AveragingConfig, OuterConfig
@@ -270,3 +271,26 @@ def test_the_contribution_scale():
     assert contribution_scale("per_step", 4, 20) == 5.0 and contribution_scale("per_step", 20, 20) == 1.0
     with pytest.raises(ValueError, match="unknown contribution"):
         contribution_scale("equal", 4, 20)
+
+
+def test_a_peer_whose_one_step_outlasts_the_round_is_not_waited_for():
+    pace = Pace(inner_steps=10, timed=True)
+    fast = _record("fast", step_seconds=0.1, work_seconds=0.5)  # its round: 1.5 s
+    crawler = _record("crawler", step_seconds=2.0, work_seconds=0.5)  # one step: longer than the whole round
+    slow = _record("slow", step_seconds=1.0, work_seconds=0.5)  # one step fits: a round of one step
+    assert pace.too_slow(crawler, [fast, crawler, slow]) and not pace.too_slow(slow, [fast, crawler, slow])
+    assert not Pace(inner_steps=10, timed=False).too_slow(crawler, [fast, crawler])  # fixed H waits for everyone
+
+
+def test_the_gate_does_not_wait_for_a_peer_that_cannot_be_ready_in_time():
+    board = Board()
+    me, crawler = BoardProgress(board, "me"), BoardProgress(board, "crawler")
+    pace = Pace(inner_steps=10, timed=True)
+
+    async def gate():
+        await crawler.publish(epoch=0, round=0, ready=False, joined=True, step_seconds=2.0, work_seconds=0.5)
+        await me.publish(epoch=0, round=0, ready=True, joined=True, step_seconds=0.1, work_seconds=0.5)
+        return await me.wait_until_ready(min_peers=1, min_peers_timeout=30, ready_timeout=30, too_slow=pace.too_slow)
+
+    decision = asyncio.run(asyncio.wait_for(gate(), timeout=5))
+    assert decision.reason == ALL_READY and decision.ready == 1

@@ -40,15 +40,18 @@ class RoundExchange:
     :param cfg: the ``[averaging]`` section (the gate's ``min_peers`` and timeouts, ``start_when_complete``)
     :param lag: the schedule's lag: a record at outer epoch e sends round e + ``lag``'s pseudo-gradient
     :param at_gate: the schedule's reading of the gate's records (``GateVerdict``)
+    :param too_slow: names a peer the gate need not wait for: it cannot be ready in time (``Pace.too_slow``)
     :param name: this peer's name, in the event log
     """
 
-    def __init__(self, cfg: AveragingConfig, lag: int, at_gate: GateVerdict, name: str, *, outer: OuterOptimizer,
+    def __init__(self, cfg: AveragingConfig, lag: int, at_gate: GateVerdict, name: str, *, too_slow=None,
+                 outer: OuterOptimizer,
                  averager: RoundAverager, progress: SwarmProgress, sync: StateSync, healing: Healing,
                  events: EventLog, compute: ComputeThread, should_stop: Callable[[], bool]):
         self.cfg = cfg
         self.lag = lag
         self.at_gate = at_gate
+        self.too_slow = too_slow
         self.name = name
         self.outer = outer
         self.averager = averager
@@ -101,7 +104,7 @@ class RoundExchange:
                                     state_hash=self.sync.state_hash, tokens=self.progress.record.tokens + tokens)
         decision = await self.progress.wait_until_ready(
             min_peers=cfg.min_peers if epoch == 0 else 1, min_peers_timeout=cfg.first_round_timeout,
-            ready_timeout=cfg.ready_timeout, should_stop=self.should_stop, lag=self.lag)
+            ready_timeout=cfg.ready_timeout, should_stop=self.should_stop, lag=self.lag, too_slow=self.too_slow)
         if self.should_stop():
             return Exchange(decision, RoundResult(ok=False, error=decision.reason), dropped=True)
         self.records = decision.records

@@ -87,9 +87,9 @@ class OuterRounds:
         self.schedule = schedule_for(outer_cfg, EarlyAverage(outer, averaging.max_update_ratio, averager.faults))
         self.healing = Healing(averaging, self.schedule.lag, self.inner_steps, name, trainer=trainer, outer=outer,
                                averager=averager, progress=progress, sync=sync, events=events, should_stop=should_stop)
-        self.exchange = RoundExchange(averaging, self.schedule.lag, self._at_gate, name, outer=outer,
-                                      averager=averager, progress=progress, sync=sync, healing=self.healing,
-                                      events=events, compute=compute, should_stop=should_stop)
+        self.exchange = RoundExchange(averaging, self.schedule.lag, self._at_gate, name, too_slow=self.pace.too_slow,
+                                      outer=outer, averager=averager, progress=progress, sync=sync,
+                                      healing=self.healing, events=events, compute=compute, should_stop=should_stop)
 
     async def run(self, on_round: Callable[[RoundRecord], None]) -> None:
         """Rounds until stopped or ``run.max_rounds``; ``on_round(record)`` after each (one interrupted: dropped)."""

@@ -83,6 +83,13 @@ class Pace:
             return None
         return max(period - (self.work_seconds or 0.0), 0.0)
 
+    def too_slow(self, record: ProgressRecord, records: list[ProgressRecord]) -> bool:
+        """Whether the peer of ``record`` cannot be ready in time for a round of the period ``records`` give: one inner
+        step of it takes longer than the whole round (it trains one step at least, and arrives late every time).
+        The round gate does not wait for it; rounds of fixed H wait for everyone."""
+        period = self.period(records) if self.timed else None
+        return period is not None and record.step_seconds is not None and record.step_seconds > period
+
     def planned_steps(self, budget: float | None) -> int:
         """The inner steps a round of ``budget`` seconds should hold here: H at most, one at least."""
         if budget is None:

@@ -323,7 +323,9 @@ class SwarmProgress:
         await self._store(None)
 
     async def wait_until_ready(self, min_peers: int, min_peers_timeout: float, ready_timeout: float,
-                               should_stop=lambda: False, lag: int = 0) -> ReadyDecision:
+                               should_stop=lambda: False, lag: int = 0,
+                               too_slow: Callable[[ProgressRecord, list[ProgressRecord]], bool] | None = None
+                               ) -> ReadyDecision:
         """Wait until the round of our epoch may start; we must have published ``ready=True`` already.
 
         The round starts when (a) at least ``min_peers`` peers are alive (their records live, trusted or not: a
@@ -334,6 +336,9 @@ class SwarmProgress:
         leaving stragglers behind, or after ``min_peers_timeout`` seconds without (a), with whoever is there.
         Returns early (with reason "stopping") as soon as ``should_stop()`` is true, so that a leaving peer never
         waits here.
+
+        ``too_slow(record, records)``: a peer not ready yet that it names cannot be ready in time (rounds bounded by
+        time: one inner step of it takes longer than the whole round, ``rounds/pace.py``), and is not waited for.
 
         ``lag``: the schedule's (``rounds/schedule.py``): 0 in blocking rounds; 1 in overlapped ones, where the peers
         to wait for are those whose record says they train the round of our epoch (``round``), and a peer that sent
@@ -358,6 +363,8 @@ class SwarmProgress:
             reads += 1
             epoch = self.record.epoch
             ready, same_epoch = _round_peers(records, epoch, lag)
+            if too_slow is not None:  # a peer that cannot be ready in time is not waited for
+                same_epoch = [r for r in same_epoch if r.ready or not too_slow(r, records)]
             now = time.monotonic()
             waited = now - started
             # ahead of the swarm (a round of ours failed, the others' did not): they reach our epoch round by
