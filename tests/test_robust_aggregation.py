@@ -441,20 +441,29 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
     assert loss < clean[-1] * (1.02 if as_clean else 1.05), (loss, clean, summary)
 
 
-def test_a_member_that_weighs_less_than_the_median_does_not_judge_averages_by_direction():
+def test_light_contributions_are_judged_by_direction_against_ban_cosine_only():
     """Rounds bounded by time: a peer that trained a fifth of the others' steps holds a part whose direction says
-    little of the average's (an honest average pointed away from it, cosine -0.13, and was refused). It checks
-    norms and values still; the members that weigh in check directions too."""
+    little of the average's (an honest average pointed away from it, cosine -0.13, and was refused). A light member
+    refuses an average by direction only below ``ban_cosine`` (a sign flip); a reducer refuses a light part the same
+    way. Heavier members and parts are judged against ``min_cosine`` as before."""
     limits = Limits(robust=True)
     own = torch.ones(2048)
-    away = -0.1 * torch.ones(2048)  # an average pointing away from our part
-    assert _kind(check_average, away, own, limits) == "direction"
+    mildly_away = torch.tensor([1.0, -1.0] * 1024) - 0.15  # cosine with ours about -0.15
+    assert _kind(check_average, mildly_away, own, limits) == "direction"
     light = limits.for_member([2000, 2000, 500], ours=500)
-    assert not light.average_direction and _kind(check_average, away, own, light) == ""
+    assert _kind(check_average, mildly_away, own, light) == ""
+    assert _kind(check_average, -own, own, light) == "direction"  # a sign flip still is
     assert _kind(check_average, torch.full((2048,), float("nan")), own, light) == "non_finite"
-    assert _kind(check_average, 100 * torch.ones(2048), own, light) == "norm"
-    assert limits.for_member([2000, 2000, 500], ours=2000) is limits  # at or above the median: unchanged
-    assert limits.for_member([1000, 1000], ours=1000) is limits  # an equal swarm: everyone checks, as before
+    assert _kind(check_average, 100 * own, own, light) == "norm"
+    assert limits.for_member([2000, 2000, 500], ours=2000) is limits  # not light: unchanged
+    assert limits.for_member([1000, 1000], ours=1000) is limits  # an equal swarm: everyone as before
+    # a reducer: three heavy parts along ours, a light one mildly away (kept), a light sign flip (refused)
+    base = torch.ones(2048)
+    parts = {0: (base, 20.0), 1: (base * 1.1, 20.0), 2: (base * 0.9, 20.0), 3: (mildly_away, 4.0)}
+    assert aggregate(parts, 0, limits)[1] == []
+    assert [(s, p.kind) for s, p in aggregate({**parts, 3: (-base, 4.0)}, 0, limits)[1]] == [(3, "direction")]
+    heavy_away = {**parts, 3: (mildly_away, 20.0)}
+    assert [(s, p.kind) for s, p in aggregate(heavy_away, 0, limits)[1]] == [(3, "direction")]
 
 
 def test_a_reducer_that_trained_few_steps_takes_the_heavier_honest_parts_and_still_refuses_a_liar():

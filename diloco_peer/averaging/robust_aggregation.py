@@ -61,19 +61,6 @@ class Limits:
     robust: bool = False
     min_cosine: float = 0.0
     ban_cosine: float = -0.5
-    average_direction: bool = True
-    """Check the direction of each average a reducer returns against our own part (``check_average``); off for a
-    member that weighs less than the group's median member (``for_member``)."""
-
-    def for_member(self, weights: list[float], ours: float) -> Limits:
-        """The limits a member weighing ``ours`` (its tokens) checks averages with, in a group weighing ``weights``.
-        Where our part weighs less than the median member's (a peer that trained a fifth of the others' steps in a
-        round bounded by time), its direction says little of the average's, which the heavier parts set: an honest
-        average then pointed away from it (cosine -0.13) and was refused. So such a member does not judge averages
-        by direction; the members that weigh in do, and the reducers judge every part."""
-        if not weights or ours >= statistics.median_low(weights):
-            return self
-        return dataclasses.replace(self, average_direction=False)
 
     @classmethod
     def of(cls, cfg) -> Limits:
@@ -81,6 +68,26 @@ class Limits:
         averager and ``diloco-peer simulate`` check with the same numbers."""
         return cls(max_update_ratio=cfg.max_update_ratio, max_weight_ratio=cfg.max_weight_ratio,
                    robust=cfg.aggregation == "robust", min_cosine=cfg.min_cosine, ban_cosine=cfg.ban_cosine)
+
+    def for_member(self, weights: list[float], ours: float) -> Limits:
+        """The limits a member weighing ``ours`` (its tokens) checks averages with, in a group weighing ``weights``:
+        a light member (``is_light``) refuses an average by direction only where it points clearly against its own
+        part (below ``ban_cosine``, as a sign flip does). Its part says little of the average's direction, which the
+        heavier parts set: an honest average pointed away from a peer that trained a fifth of the others' steps in a
+        round bounded by time (cosine -0.13), and was refused."""
+        if not is_light(ours, weights):
+            return self
+        return dataclasses.replace(self, min_cosine=min(self.min_cosine, self.ban_cosine))
+
+
+LIGHT = 0.5
+"""A contribution weighing less than this share of the group's median one (its tokens: a slow volunteer's in a round
+bounded by time) is *light*: judged by direction, and judging averages by direction, against ``ban_cosine`` only."""
+
+
+def is_light(weight: float, weights: list[float]) -> bool:
+    """Whether a contribution of ``weight`` is light in a group whose contributions weigh ``weights`` (``LIGHT``)."""
+    return bool(weights) and weight < LIGHT * statistics.median_low(weights)
 
 
 MIN_DIRECTION_VALUES = 1024
@@ -176,11 +183,14 @@ def aggregate(parts: dict[int, tuple[torch.Tensor, float]], own: int | None,
         # with two senders: then it would be our own part, and two honest parts of a slice of the model can
         # point apart (measured: an honest pair refused each other at min_cosine 0); nor can two tell who is off
         reference = coordinate_median([p for p, _ in kept.values()]).double().flatten()
-        for s, (p, _) in kept.items():
+        weights = [w for _, w in kept.values()]
+        for s, (p, w) in kept.items():
             if s == own:
                 continue
             cosine = float(torch.nn.functional.cosine_similarity(p.double().flatten(), reference, dim=0))
-            if cosine < limits.min_cosine:
+            # a light part (a slow volunteer's few steps: noisy) is refused for a clear sign flip only; what it
+            # moves the average by is bounded by its weight, and its norm is clipped to the median's below
+            if cosine < (limits.ban_cosine if is_light(w, weights) else limits.min_cosine):
                 refused.append((s, _direction("cosine with the group's median", cosine, limits)))
         kept = {s: pw for s, pw in kept.items() if s not in {r for r, _ in refused}}
     if limits.robust and len(kept) >= 2:
@@ -217,8 +227,7 @@ def check_average(averaged: torch.Tensor, own_part: torch.Tensor, limits: Limits
     if limits.max_update_ratio and norm > limits.max_update_ratio * max(own_norm, 1e-12):
         raise BadContribution("norm", f"averaged part norm {norm:.3g} is {norm / max(own_norm, 1e-12):.0f}x ours "
                                       f"(averaging.max_update_ratio={limits.max_update_ratio:g})")
-    if limits.robust and limits.average_direction and own_norm > 0 and norm > 0 \
-            and own_part.numel() >= MIN_DIRECTION_VALUES:
+    if limits.robust and own_norm > 0 and norm > 0 and own_part.numel() >= MIN_DIRECTION_VALUES:
         cosine = float(torch.nn.functional.cosine_similarity(averaged.double().flatten(),
                                                              own_part.double().flatten(), dim=0))
         if cosine < limits.min_cosine:  # (counted or not: ``allreduce.ExactAllReduceRunner.settle_disputes``)
