@@ -34,7 +34,7 @@ from .observe.monitor import SwarmMonitor, format_status, status_json, summarize
 from .swarm.addresses import SwarmError, hold_identity, parse_multiaddr
 from .swarm.join import join_address, join_dht_peers, start_dht, visible_addresses
 from .swarm.owner_key import OwnerKey
-from .swarm.progress import add_progress_validators, fetch_progress
+from .swarm.progress_store import add_progress_validators, fetch_progress
 from .swarm.reachability import ProbeService
 from .swarm.run_config import ConfigPublisher
 

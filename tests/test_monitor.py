@@ -11,7 +11,8 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from diloco_peer.observe.monitor import SwarmMonitor, format_status, summarize
-from diloco_peer.swarm.progress import SwarmProgress, fetch_progress
+from diloco_peer.swarm.progress import SwarmProgress
+from diloco_peer.swarm.progress_store import fetch_progress
 from diloco_peer.swarm.progress_record import PeerStats, ProgressRecord
 
 RUN = "monitor-test"

@@ -17,9 +17,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from diloco_peer.config import load_config
 from diloco_peer.config.faults import Faults
-from diloco_peer.swarm import progress as progress_module
-from diloco_peer.swarm.progress import (ALL_READY, MAX_TTL, ExpirationCap, SwarmProgress, add_progress_validators,
-                                        fetch_progress)
+from diloco_peer.swarm import progress_store
+from diloco_peer.swarm.progress import ALL_READY, SwarmProgress
+from diloco_peer.swarm.progress_store import MAX_TTL, ExpirationCap, add_progress_validators, fetch_progress
 from diloco_peer.swarm.progress_record import ProgressRecord, ProgressSchema
 from diloco_peer.tools.simulate import run_diloco
 
@@ -264,14 +264,14 @@ def test_a_read_that_misses_a_peer_does_not_make_it_vanish_until_its_record_expi
     made the gate see itself alone, all ready: a solo round. A record now counts until it expires, is withdrawn or
     is replaced, whatever one read returns."""
     dht_a, dht_b = two_dhts
-    fetch, missed = progress_module.fetch_progress_entries, []
+    fetch, missed = progress_store.fetch_progress_entries, []
 
     async def flaky_fetch(dht, run_id):  # every second read of a's comes back empty
         entries = await fetch(dht, run_id)
         missed.append(dht is dht_a and len(missed) % 2 == 1)
         return {} if missed[-1] else entries
 
-    monkeypatch.setattr(progress_module, "fetch_progress_entries", flaky_fetch)
+    monkeypatch.setattr(progress_store, "fetch_progress_entries", flaky_fetch)
 
     async def scenario():
         a = SwarmProgress(dht_a, RUN, "peer-a", heartbeat=0.5)

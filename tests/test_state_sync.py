@@ -18,7 +18,7 @@ from diloco_peer.config.faults import FAULT_ENV, NO_FAULTS, Faults
 from diloco_peer.state import state_sync
 from diloco_peer.state.state_sync import FALLING_BEHIND
 from diloco_peer.state.target import Target, swarm_target
-from diloco_peer.swarm.progress import add_progress_validators, fetch_progress
+from diloco_peer.swarm.progress_store import add_progress_validators, fetch_progress
 from diloco_peer.swarm.progress_record import ProgressRecord
 from diloco_peer.training.model import param_sha256, state_digest
 

@@ -132,7 +132,8 @@ async def start_reachable_dht(cfg: SwarmConfig, initial_peers: list[str]) -> tup
         dht = await hivemind_calls.call(start_dht, cfg, initial_peers, relays=relays)
         try:
             p2p = await dht.replicate_p2p()
-            carried = await reachability.check_relays(p2p, relays, wait=reachability.RELAY_WAIT)
+            carried = await reachability.check_relays(p2p, relays, wait=reachability.RELAY_WAIT,
+                                                      settle=reachability.RELAY_SETTLE)
             held = await relay.usable_relays(p2p, carried)
         except BaseException:
             await hivemind_calls.call(dht.shutdown)

@@ -26,8 +26,8 @@ Open to volunteers means open to liars: anyone can publish a record that claims 
   describe. Its holder stays a *suspect* as long: a claim it publishes next counts only where another peer we
   trust holds the same state (a liar that made up a new claim after every refused sync kept us from ever
   joining). A banned peer's records stop counting at once (``ban``: our averager banned it).
-- **Capped expirations** (``ExpirationCap``): a record may expire at most ``MAX_TTL`` seconds from now,
-  on every key of the DHT, so nobody can pin a record (a stale lie, a fake peer) for days.
+- **Capped expirations** (``progress_store.ExpirationCap``): a record may expire at most ``MAX_TTL`` seconds from
+  now, on every key of the DHT, so nobody can pin a record (a stale lie, a fake peer) for days.
 - **Waits that liars can stretch are bounded**: the round gate by ``ready_timeout`` (a peer that claims
   our epoch and never gets ready) and ``min_peers_timeout``, ``wait_for_round_end`` by its timeout.
 
@@ -46,66 +46,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hivemind.dht import DHT
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.schema import SchemaValidator
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 
 from ..config.faults import NO_FAULTS, Faults
 from ..lifecycle import hivemind_calls
-from .progress_record import PeerStats, ProgressRecord, ProgressSchema
+from . import progress_store
+from .progress_record import PeerStats, ProgressRecord
 
 logger = logging.getLogger(__name__)
 
 QUORUM = 0.5
 """The swarm's epoch is reached by more than this fraction of the voting peers (0.5: a strict majority;
 0 would be the maximum any peer claims)."""
-MAX_TTL = 600.0
-"""Seconds into the future a DHT record may expire at most. Ours live 3 heartbeats, hivemind's matchmaking
-and state-sharing records a few matchmaking periods or ``3 * heartbeat``: all far below. It also bounds
-the clock skew a peer may have (its records' expirations are in its own clock)."""
 ALL_READY = "all peers of this epoch are ready"
 """The round gate's reason when nobody is left to wait for."""
-DHT_CALL_TIMEOUT = 30.0
-"""Seconds a DHT get or store may take: a healthy one answers within hivemind's RPC timeouts (a few seconds);
-one that takes longer waits on a DHT process that is gone, and is abandoned (``hivemind_calls``)."""
-
-
-class ExpirationCap(RecordValidatorBase):
-    """Rejects every DHT record that expires more than ``max_ttl`` seconds from now, on any key.
-
-    Checked when another node asks us to store a record and when a node answers our search, so a node
-    that keeps such a record in its own storage cannot hand it to us either. An honest record is checked
-    when it is fresh, and only gets closer to its expiration afterwards.
-    """
-
-    def __init__(self, max_ttl: float = MAX_TTL):
-        self.max_ttl = max_ttl
-
-    def validate(self, record: DHTRecord) -> bool:
-        if record.expiration_time > get_dht_time() + self.max_ttl:
-            logger.debug(f"rejected a DHT record expiring {record.expiration_time - get_dht_time():.0f}s from now")
-            return False
-        return True
-
-    def merge_with(self, other: RecordValidatorBase) -> bool:
-        if not isinstance(other, ExpirationCap):
-            return False
-        self.max_ttl = min(self.max_ttl, other.max_ttl)  # one check, the stricter cap
-        return True
-
-
-def add_progress_validators(dht: DHT, run_id: str) -> bytes:
-    """Install the signature, schema and expiration validators for ``run_id``; returns our public key (the
-    subkey).
-
-    Each caller gets a key of its own (not hivemind's process-wide one), so that two peers that share a
-    process, as in tests, still own separate records.
-    """
-    signer = RSASignatureValidator(RSAPrivateKey())
-    dht.add_validators([SchemaValidator(ProgressSchema, prefix=run_id), signer, ExpirationCap()])
-    return signer.local_public_key
 
 
 def voters(records: list[ProgressRecord]) -> list[ProgressRecord]:
@@ -129,26 +83,6 @@ def quorum_epoch(records: list[ProgressRecord], quorum: float = QUORUM) -> int |
     return epochs[min(int(len(epochs) * quorum) + 1, len(epochs)) - 1]
 
 
-async def fetch_progress(dht: DHT, run_id: str) -> list[ProgressRecord]:
-    """The live progress records of the run, one per peer (withdrawn and expired ones left out)."""
-    return [record for record, _ in (await fetch_progress_entries(dht, run_id)).values() if record is not None]
-
-
-async def fetch_progress_entries(dht: DHT, run_id: str) -> dict[bytes, tuple[ProgressRecord | None, float]]:
-    """The run's progress entries as the DHT answered now: subkey -> (record, None if withdrawn; its expiration)."""
-    found = await hivemind_calls.call(dht.get, f"{run_id}_progress", latest=True, timeout=DHT_CALL_TIMEOUT)
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    entries = {}
-    for subkey, entry in found.value.items():
-        try:  # validated on store; re-checked because the DHT is shared with strangers
-            entries[subkey] = (None if entry.value is None else ProgressRecord.parse_obj(entry.value),
-                               entry.expiration_time)
-        except ValueError:
-            continue
-    return entries
-
-
 @dataclass
 class ReadyDecision:
     ready: int
@@ -167,16 +101,22 @@ class ReadyDecision:
     trusted count, turned an honest peer away: ``averaging.start_when_complete``). 0: not counted."""
 
 
-def _round_peers(records: list[ProgressRecord], epoch: int, lag: int) -> tuple[int, list[ProgressRecord]]:
+def _round_peers(records: list[ProgressRecord], epoch: int, lag: int,
+                 too_slow=None) -> tuple[int, list[ProgressRecord]]:
     """The peers of the round of ``epoch`` among ``records`` (the gate waits for them), and how many are ready.
     ``lag`` 1 (overlapped): those whose record says they train that round (``round``), and those that sent it (at
     ``epoch`` and ready). ``lag`` 0 (blocking): those at ``epoch``, and joined peers behind that sync towards its round
-    (``Healing.heading_for``), not ready yet."""
+    (``Healing.heading_for``), not ready yet. Not a peer that is not ready and ``too_slow`` to be in time."""
     if lag:
         sent = [r for r in records if r.epoch == epoch and r.ready]
-        return len(sent), sent + [r for r in records if r.round == epoch and not (r.epoch == epoch and r.ready)]
-    same_epoch = [r for r in records if r.epoch == epoch or r.joined and r.epoch < epoch == r.round]
-    return sum(r.ready and r.epoch == epoch for r in same_epoch), same_epoch
+        peers = sent + [r for r in records if r.round == epoch and not (r.epoch == epoch and r.ready)]
+        ready = len(sent)
+    else:
+        peers = [r for r in records if r.epoch == epoch or r.joined and r.epoch < epoch == r.round]
+        ready = sum(r.ready and r.epoch == epoch for r in peers)
+    if too_slow is not None:
+        peers = [r for r in peers if r.ready or not too_slow(r, records)]
+    return ready, peers
 
 
 class SwarmProgress:
@@ -211,7 +151,7 @@ class SwarmProgress:
         self.heartbeat = heartbeat
         self.faults = faults
         self.key = f"{run_id}_progress"
-        self.subkey = add_progress_validators(dht, run_id)
+        self.subkey = progress_store.add_progress_validators(dht, run_id)
         self.record = ProgressRecord(peer_id=peer_id, epoch=0, inner_step=0, tokens=0, ready=False, joined=False,
                                      time=time.time())
         self._heartbeat_task: asyncio.Task | None = None
@@ -241,7 +181,7 @@ class SwarmProgress:
         if value is not None and self.faults.lie_epoch is not None:
             value = {**value, "epoch": self.faults.lie_epoch, "round": self.faults.lie_epoch}
         ok = await hivemind_calls.call(self.dht.store, self.key, value, get_dht_time() + 3 * self.heartbeat,
-                                       subkey=self.subkey, timeout=DHT_CALL_TIMEOUT)
+                                       subkey=self.subkey, timeout=progress_store.DHT_CALL_TIMEOUT)
         if not ok:
             logger.debug("progress record was not stored by any DHT node (alone in the swarm?)")
 
@@ -252,7 +192,8 @@ class SwarmProgress:
         returned it: a read that missed it (DHT nodes that did not answer in time, a starved DHT process) would
         otherwise make the peer vanish for a moment, and a gate that saw nobody else would step alone."""
         now = get_dht_time()
-        for subkey, (record, expiration) in (await fetch_progress_entries(self.dht, self.run_id)).items():
+        entries = await progress_store.fetch_progress_entries(self.dht, self.run_id)
+        for subkey, (record, expiration) in entries.items():
             if expiration >= self._entries.get(subkey, (None, -1.0))[1]:
                 self._entries[subkey] = (record, expiration)
         self._entries = {subkey: entry for subkey, entry in self._entries.items() if entry[1] > now}
@@ -362,9 +303,7 @@ class SwarmProgress:
             records = await self.swarm_records()
             reads += 1
             epoch = self.record.epoch
-            ready, same_epoch = _round_peers(records, epoch, lag)
-            if too_slow is not None:  # a peer that cannot be ready in time is not waited for
-                same_epoch = [r for r in same_epoch if r.ready or not too_slow(r, records)]
+            ready, same_epoch = _round_peers(records, epoch, lag, too_slow)
             now = time.monotonic()
             waited = now - started
             # ahead of the swarm (a round of ours failed, the others' did not): they reach our epoch round by

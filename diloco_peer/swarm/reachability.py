@@ -47,6 +47,9 @@ MAX_CANDIDATES = 3
 RELAY_WAIT = 10.0
 """Seconds a NAT'd peer waits for its first relay reservation (far less when the relay is up: BENCHMARKS.md,
 "Notes from the NAT work")."""
+RELAY_SETTLE = 3.0
+"""Seconds a NAT'd peer that holds one relay gives its other relays to hold it too, before it says how it is
+reached (``check_relays``)."""
 
 
 def free_port_addrs(host_maddrs: list[str]) -> list[str]:
@@ -265,16 +268,22 @@ async def probe_direct(host_maddrs: list[str], announce_maddrs: list[str], boots
         await p2p.shutdown()
 
 
-async def check_relays(p2p: P2P, relays: list[str], wait: float = 0.0) -> list[str]:
+async def check_relays(p2p: P2P, relays: list[str], wait: float = 0.0, settle: float = 0.0) -> list[str]:
     """The relays that can dial us through their circuit now; retries for up to ``wait`` seconds until one
-    can (a reservation is made in the background once the daemon starts)."""
+    can (a reservation is made in the background once the daemon starts), then for up to ``settle`` seconds more
+    until all can: p2pd reserves with each relay on its own, and on a loaded machine the second reservation came
+    seconds after the first (the start-up line then said one relay of two, which the watch corrected later)."""
     deadline = time.monotonic() + wait
+    settled = None
     while True:
         replies = await asyncio.gather(*(ask_probe(p2p, r, {"circuit": True}, timeout=2 * DIAL_TIMEOUT + 2)
                                          for r in relays), return_exceptions=True)
         held = [r for r, reply in zip(relays, replies)
                 if isinstance(reply, dict) and any(x.get("ok") for x in reply.get("results", []))]
-        if held or time.monotonic() >= deadline:
+        now = time.monotonic()
+        if held and settled is None:
+            settled = now + settle
+        if len(held) == len(relays) or (held and now >= settled) or (not held and now >= deadline):
             return held
         await asyncio.sleep(0.5)
 

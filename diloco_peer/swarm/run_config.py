@@ -16,7 +16,7 @@ body`` verifies (``owner_key.py``), and ``body.expires`` is the expiration the D
 outlive the owner's own). A joiner takes a record only from the owners its addresses name, and checks it itself
 (``check_record``); every node of ours also refuses to store or pass on a forged one (``RunConfigValidator``), so
 a stranger cannot overwrite an owner's record on them. A forged, unsigned or malformed record is ignored, logged
-once. Records expire after ``TTL`` (under ``progress.MAX_TTL``, which every node enforces) and the owner stores
+once. Records expire after ``TTL`` (under ``progress_store.MAX_TTL``, which every node enforces) and the owner stores
 its record again every ``REPUBLISH`` seconds. ``config: null`` says the owner publishes no config (a bootstrap
 without ``--config``): each peer brings its own, as before.
 """
@@ -50,7 +50,7 @@ CONFIG_KEY = "diloco-peer.run-config"
 DOMAIN = b"diloco-peer run config v1\n"
 """Signed before the body: a signature made for anything else never passes for a config record."""
 TTL = 300.0
-"""Seconds a config record lives in the DHT (under ``progress.MAX_TTL``, the cap every node of ours enforces)."""
+"""Seconds a config record lives in the DHT (under ``progress_store.MAX_TTL``, the cap every node of ours enforces)."""
 REPUBLISH = 60.0
 """Seconds between two stores of the owner's record: a record survives four missed stores."""
 STORE_TIMEOUT = 30.0
@@ -87,7 +87,9 @@ def check_record(value, owner: str, expiration: float | None = None) -> RunConfi
     """
     if not isinstance(value, dict) or value.get("v") != 1:
         raise ForgedRecord("not a config record of this version")
-    body, public_key, signature = value.get("body"), value.get("public_key"), value.get("signature")
+    body = value.get("body")
+    public_key = value.get("public_key")
+    signature = value.get("signature")
     if not isinstance(body, str) or not isinstance(public_key, bytes) or not isinstance(signature, bytes):
         raise ForgedRecord("unsigned, or not a config record")
     if peer_id_of(public_key) != owner:
@@ -163,7 +165,10 @@ class ConfigPublisher:
     """
 
     def __init__(self, dht: DHT, key: OwnerKey, config: dict | None, name: str = ""):
-        self.dht, self.key, self.config, self.name = dht, key, config, name
+        self.dht = dht
+        self.key = key
+        self.config = config
+        self.name = name
         self._task: asyncio.Task | None = None
 
     async def publish(self) -> bool:
