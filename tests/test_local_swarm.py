@@ -49,7 +49,7 @@ def test_the_bootstrap_address_is_read_from_its_join_line_and_its_whole_group_is
         boot = swarm.bootstraps[0]
         child = psutil.Process(boot.pid).children()[0]
     finally:
-        swarm.reap(grace=0.5)  # (the child outlives its parent: killed at the end of the grace)
+        swarm.reap(grace=0.5)  # (the child outlives its parent: killed once the parent has exited)
     assert boot.returncode == -signal.SIGTERM  # stopped as a user would, the group killed after it
     assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
     swarm.reap()  # twice: nothing to do

@@ -242,7 +242,8 @@ class _DemoSwarm:
         the peers' ``run.shutdown_grace`` plus ``STOP_MARGIN``; then take the emulated internet down."""
         signum = signal.SIGINT if self.signalled == signal.SIGINT else signal.SIGTERM
         try:
-            self.swarm.reap(signum, grace=self.cfg.run.shutdown_grace + STOP_MARGIN, peers_first=True)
+            self.swarm.reap(signum, grace=self.cfg.run.shutdown_grace + STOP_MARGIN, peers_first=True,
+                            until_gone=True)
         finally:
             if self.net is not None:
                 self.net.close()

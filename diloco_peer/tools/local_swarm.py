@@ -22,6 +22,7 @@ Only operator and test code uses this; a running peer never imports ``tools`` (`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..lifecycle.reaper import kill_trees, stop_in_order
+from ..lifecycle.reaper import SHM_MANAGER, kill_trees, stop_in_order
 from ..observe.events import read_events
 from ..swarm.addresses import SwarmError
 
@@ -191,14 +192,19 @@ class LocalSwarm:
             time.sleep(poll)
         return found
 
-    def reap(self, signum: int = signal.SIGTERM, grace: float = 15.0, peers_first: bool = False) -> None:
+    def reap(self, signum: int = signal.SIGTERM, grace: float = 15.0, peers_first: bool = False,
+             until_gone: bool = False) -> None:
         """Stop every process that still runs: ``signum`` to each (to the process, as a user's ``kill PID``), wait
-        until they and every process under them (DHT, averager, p2pd) have exited, SIGKILL what is left after
-        ``grace`` seconds; then SIGKILL the process group of each that had not been reaped before (whatever still
-        runs in it: a child that left the tree). Safe to call twice.
+        until they have exited, then SIGKILL what is left of them after ``grace`` seconds and of every process
+        under them (DHT, averager, p2pd); then SIGKILL the process group of each that had not been reaped before
+        (whatever still runs in it: a child that left the tree). Safe to call twice.
 
         :param peers_first: stop the other processes first and the bootstrap nodes after them, as a swarm that
           ends cleanly does (a peer's leave uses their DHT); otherwise all at once, which is quicker
+        :param until_gone: return only once every process under them has exited by itself, torch's shared-memory
+          managers included, which do so seconds after their clients (``lifecycle.reaper.stop_in_order``): the
+          demo's way, nothing it started outlives it. Otherwise those managers finish on their own; they are never
+          killed (killed, one leaves its clients' segments in /dev/shm)
 
         (A process reaped earlier keeps its group's id only while something runs in that group: once it is empty,
         the id may be a new process's, so its group is left alone.)
@@ -206,8 +212,12 @@ class LocalSwarm:
         unreaped = [p for p in self.procs if p.returncode is None]
         others = [p for p in self.procs if p not in self.bootstraps]
         groups = [others, self.bootstraps] if peers_first else [self.procs]
+        deadline = time.monotonic() + grace
         try:
-            stop_in_order(groups, signum, time.monotonic() + grace)
+            if until_gone:
+                stop_in_order(groups, signum, deadline)
+            else:
+                _stop(groups, signum, deadline)
         finally:
             for proc in unreaped:
                 try:
@@ -220,3 +230,36 @@ class LocalSwarm:
         """SIGKILL every process and every process under each, now, without waiting (a signal handler may call
         it while the main thread waits for one of them); ``reap`` afterwards collects them."""
         kill_trees(self.procs)
+
+
+def _stop(groups: list[list[subprocess.Popen]], signum: int, deadline: float) -> None:
+    """``signum`` to each group's processes that run, each group waited for in turn (until ``deadline`` at most),
+    then SIGKILL to what is left of them and of the processes that were under them."""
+    import psutil
+
+    tree = []  # recorded first: a process's children are re-parented once it has exited
+    for proc in (p for group in groups for p in group if p.poll() is None):
+        with contextlib.suppress(psutil.Error):
+            top = psutil.Process(proc.pid)
+            tree += [top, *(c for c in top.children(recursive=True) if _name(c) not in (SHM_MANAGER, ""))]
+    for group in groups:
+        for proc in group:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+        for proc in group:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for process in tree:
+        with contextlib.suppress(psutil.Error):  # (psutil checks that the pid is still that process's)
+            process.kill()
+    psutil.wait_procs(tree, timeout=5)  # SIGKILLed: gone within moments
+
+
+def _name(process) -> str:
+    """A process's name ("" once it is gone)."""
+    import psutil
+
+    try:
+        return process.name()
+    except psutil.Error:
+        return ""
