@@ -5,7 +5,8 @@
         a = swarm.start_peer("a", "run.max_rounds=3")
         b = swarm.start_peer("b", "run.max_rounds=3", env={"DILOCO_PEER_FAULT": "refuse_round:2"})
         swarm.wait_for("b's 3 rounds", lambda: len(swarm.events("b", "round")) >= 3, timeout=300)
-    # here every process it started is gone: the peers, their DHT, averager and p2pd processes
+    # here every process it started is gone: the peers, their DHT, averager and p2pd processes (torch's
+    # shared-memory managers end on their own moments later; reap(until_gone=True) waits for them too)
 
 What the demo (``demo.py``), the tests (``tests/conftest.py``) and the benchmarks (``bench/``) start their swarms
 with. Each process runs exactly what a user types (``diloco-peer bootstrap`` / ``join``), from this Python, in a
