@@ -175,11 +175,14 @@ def test_relay_dies_peers_go_on_through_the_other_and_say_so_when_none_is_left(i
     for i, name in enumerate(names):
         local_swarm.start_peer(name, *sets, netns=net.home(i + 1), bootstraps=[first, second])
     wait_until(lambda: all(len(rounds(local_swarm, n)) >= 3 for n in names), "three rounds", timeout=150)
-    assert all(reach(local_swarm, n)[0]["relays"] == 2 for n in names)
+    # both relays carry every home peer (p2pd reserves with each on its own: on a loaded machine the second came
+    # after the start-up report once, and the watch reported it a check later; CI 2026-11-27)
+    wait_until(lambda: all(reach(local_swarm, n)[-1]["relays"] == 2 for n in names), "two relays each", timeout=30)
+    before = {n: len(reach(local_swarm, n)) for n in names}
     os.killpg(local_swarm.procs[0].pid, signal.SIGKILL)  # the first relay (and bootstrap) vanishes
-    wait_until(lambda: all(len(reach(local_swarm, n)) >= 2 for n in names), "a relay-lost report", timeout=60)
+    wait_until(lambda: all(len(reach(local_swarm, n)) > before[n] for n in names), "a relay-lost report", timeout=60)
     for name in names:
-        change = reach(local_swarm, name)[1]
+        change = reach(local_swarm, name)[before[name]]
         assert change["mode"] == "relayed" and change["relays"] == 1 and "lost relay" in change["detail"], change
     after = len(rounds(local_swarm, "home1"))
     wait_until(lambda: [r for r in rounds(local_swarm, "home1")[after:] if r["outcome"] == "averaged"],
