@@ -128,7 +128,11 @@ def test_forwarded_port_is_direct_and_mixes_with_relayed_and_outbound_only_peers
     net = internet(3)
     net.forward(1, 40001)
     boot(local_swarm, net)
-    sets = [*NAT, "averaging.min_peers=3"]
+    # the mean, not the robust default: the forwarded peer reduces the whole vector, judging each part's direction
+    # against the median of three; an honest part at cosine -0.04 was refused once in five CI-like runs (2026-11-28),
+    # its sender's round went partial and healed by a sync. This test is about reachability, not aggregation
+    # (the relay test below pins the mean for the same reason)
+    sets = [*NAT, "averaging.min_peers=3", "averaging.aggregation=mean"]
     forwarded = local_swarm.start_peer(
         "forwarded", *sets, netns=net.home(1),
         args=["--listen", "/ip4/0.0.0.0/tcp/40001", "--announce", f"/ip4/{net.router_address(1)}/tcp/40001"])
