@@ -4,7 +4,8 @@ partial rounds, healing by state sync, and the verdict that decides a round's ou
 The peers are real ``OuterRounds`` with a real outer optimizer and the real round gate, on a fake DHT, all-reduce,
 state sync and trainer (``fake_swarm.py``). Each test checks what the round's contract says: peers that averaged
 hold bit-identical outer weights, and those weights are exactly the outer steps of the group's means, one per round.
-The real-swarm tests (``test_outer_round.py``, ``test_churn.py``) run the same logic end to end.
+The real-swarm tests run the same logic end to end: ``test_simulate.py`` (a refused round healed, blocking and
+eager, against the simulator's weights), ``test_churn.py``, ``test_unequal.py``.
 """
 
 from __future__ import annotations
