@@ -223,6 +223,9 @@ def test_rounds_bounded_by_time_give_a_slow_peer_fewer_steps_and_nobody_waits(tm
 def test_the_pace_of_a_round_bounded_by_time():
     pace = Pace(inner_steps=10, timed=True)
     assert pace.budget([]) is None and pace.planned_steps(None) == 10  # nothing measured: H steps
+    # a newcomer in a running swarm trains for its period (less the peers' median work), cut by time as it goes
+    others = [_record("fast", step_seconds=0.1, work_seconds=0.5), _record("slow", step_seconds=0.3, work_seconds=0.7)]
+    assert pace.budget(others, own="me") == pytest.approx(1.0) and pace.planned_steps(1.0) == 10
     pace.trained(steps=10, seconds=5.0)  # 0.5 s a step
     assert pace.fields() == {"step_seconds": 0.5}
     pace.ended(round_seconds=7.0, train_seconds=5.0, waited_seconds=1.0)  # 1 s of work

@@ -124,8 +124,11 @@ class OuterRounds:
         budget = self.pace.budget(self.exchange.records, own=self.progress.record.peer_id)
         planned = self.pace.planned_steps(budget)
         trainer.stride = H / planned
-        # a peer with time for H steps is the pace (or ties it): it trains H, whatever this round's noise
-        clock = _RoundClock(budget if planned < H else None, self.pace.step_seconds, trainer)
+        # a peer with time for H steps is the pace (or ties it): it trains H, whatever this round's noise; one that
+        # has not measured its steps yet (a newcomer) goes a step at a time, cut by the time its steps take
+        measured = self.pace.step_seconds is not None
+        clock = _RoundClock(budget if planned < H or not measured else None, self.pace.step_seconds, trainer)
+        chunk = max(1, planned // PROGRESS_EVENTS_PER_ROUND) if measured or budget is None else 1
         arrival = self.schedule.arrival
         arrived = arrival.due if arrival is not None else lambda: False
         steps, tokens, seconds, weighted_loss = 0, 0, 0.0, 0.0
@@ -133,11 +136,11 @@ class OuterRounds:
         while steps < planned and not self.should_stop() and not clock.overdue():
             if arrived():
                 await self.compute.run(arrival.apply, start, trainer.step - epoch * H)
-            todo = min(max(1, planned // PROGRESS_EVENTS_PER_ROUND), planned - steps)
+            todo = min(chunk, planned - steps)
             clock.chunk_starts()
             stats = await self.compute.run(trainer.train_steps, todo,
                                            lambda: self.should_stop() or arrived() or clock.overdue())
-            clock.chunk_ended(stats.seconds)
+            clock.chunk_ended(stats.seconds, stats.steps)
             if not stats.steps:
                 continue
             steps, tokens, seconds = steps + stats.steps, tokens + stats.tokens, seconds + stats.seconds
@@ -259,21 +262,25 @@ class _RoundClock:
 
     def __init__(self, budget: float | None, step_seconds: float | None, trainer: Trainer):
         self.budget = budget
-        self.half_step = 0.5 * (step_seconds or 0.0)
+        self.step_seconds = step_seconds
+        """Our seconds per inner step, lately (None: not measured yet; the steps of this round tell)."""
         self.trainer = trainer
         self.first = trainer.position
         self.trained = 0.0
+        self.steps = 0
         self.chunk_started: float | None = None
 
     def chunk_starts(self) -> None:
         self.chunk_started = time.monotonic()
 
-    def chunk_ended(self, seconds: float) -> None:
+    def chunk_ended(self, seconds: float, steps: int) -> None:
         self.trained += seconds
+        self.steps += steps
         self.chunk_started = None
 
     def overdue(self) -> bool:
         if self.budget is None or self.trainer.position <= self.first:
             return False
         running = time.monotonic() - self.chunk_started if self.chunk_started is not None else 0.0
-        return self.trained + running + self.half_step > self.budget
+        step = self.step_seconds or (self.trained / self.steps if self.steps else running)
+        return self.trained + running + 0.5 * step > self.budget

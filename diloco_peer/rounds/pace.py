@@ -66,7 +66,7 @@ class Pace:
         """The round's period: the fastest peer's round of H steps, in seconds (None: nobody measured yet). Our own
         record (peer id ``own``) counts as we measure ourselves now; a peer that has not said its work yet (its first
         round) is taken to have as much as we do."""
-        work = self.work_seconds or 0.0
+        work = self.own_work(records, own)
         rounds = [self.inner_steps * r.step_seconds + (r.work_seconds if r.work_seconds is not None else work)
                   for r in records if r.step_seconds is not None and r.peer_id != own]
         if self.step_seconds is not None:
@@ -75,13 +75,22 @@ class Pace:
             return None
         return max(min(rounds), statistics.median_low(rounds) / MAX_SPREAD)
 
+    def own_work(self, records: list[ProgressRecord], own: str = "") -> float:
+        """Our work per round outside training and waiting: as measured, or (a newcomer) the peers' median."""
+        if self.work_seconds is not None:
+            return self.work_seconds
+        said = [r.work_seconds for r in records if r.work_seconds is not None and r.peer_id != own]
+        return statistics.median_low(said) if said else 0.0
+
     def budget(self, records: list[ProgressRecord], own: str = "") -> float | None:
         """Seconds this peer (peer id ``own``) trains in the round ``records`` describe (None: H steps, not a
-        time)."""
-        period = self.period(records, own) if self.timed and self.step_seconds is not None else None
+        time). A newcomer that has not measured itself yet trains for the swarm's period too: its first round,
+        with nothing to plan from, is cut by the time its steps take as they go (``OuterRounds.train``), instead of
+        H steps that held a slow joiner's swarm at the gate for a whole slow round."""
+        period = self.period(records, own) if self.timed else None
         if period is None:
             return None
-        return max(period - (self.work_seconds or 0.0), 0.0)
+        return max(period - self.own_work(records, own), 0.0)
 
     def too_slow(self, record: ProgressRecord, records: list[ProgressRecord]) -> bool:
         """Whether the peer of ``record`` cannot be ready in time for a round of the period ``records`` give: one inner
@@ -91,8 +100,9 @@ class Pace:
         return period is not None and record.step_seconds is not None and record.step_seconds > period
 
     def planned_steps(self, budget: float | None) -> int:
-        """The inner steps a round of ``budget`` seconds should hold here: H at most, one at least."""
-        if budget is None:
+        """The inner steps a round of ``budget`` seconds should hold here: H at most, one at least (H where we have
+        not measured our steps yet: the time cuts the round)."""
+        if budget is None or self.step_seconds is None:
             return self.inner_steps
         return max(1, min(self.inner_steps, int(budget / self.step_seconds + 0.5)))
 
