@@ -35,7 +35,7 @@ from .arrival import EarlyAverage
 from .exchange import RoundExchange
 from .healing import Healing
 from .outcome import Exchange, Verdict, decide
-from .pace import Pace
+from .pace import Pace, RoundClock
 from .record import InnerResult, RoundRecord
 from .schedule import schedule_for
 
@@ -127,7 +127,7 @@ class OuterRounds:
         # a peer with time for H steps is the pace (or ties it): it trains H, whatever this round's noise; one that
         # has not measured its steps yet (a newcomer) goes a step at a time, cut by the time its steps take
         measured = self.pace.step_seconds is not None
-        clock = _RoundClock(budget if planned < H or not measured else None, self.pace.step_seconds, trainer)
+        clock = RoundClock(budget if planned < H or not measured else None, self.pace.step_seconds, trainer)
         chunk = max(1, planned // PROGRESS_EVENTS_PER_ROUND) if measured or budget is None else 1
         arrival = self.schedule.arrival
         arrived = arrival.due if arrival is not None else lambda: False
@@ -254,33 +254,3 @@ class OuterRounds:
             param_sha256=self.sync.state_hash, inner_steps=inner.steps,
             arrived_step=arrival.step if arrival is not None else None)
 
-
-class _RoundClock:
-    """When a round bounded by time is over: once its next inner step would end more than half a step past the
-    budget, one step at least (``budget`` None: never, the round is H steps). It counts the time in inner steps, not
-    the hops between chunks of them (those are the round's other work, which the budget has left out already)."""
-
-    def __init__(self, budget: float | None, step_seconds: float | None, trainer: Trainer):
-        self.budget = budget
-        self.step_seconds = step_seconds
-        """Our seconds per inner step, lately (None: not measured yet; the steps of this round tell)."""
-        self.trainer = trainer
-        self.first = trainer.position
-        self.trained = 0.0
-        self.steps = 0
-        self.chunk_started: float | None = None
-
-    def chunk_starts(self) -> None:
-        self.chunk_started = time.monotonic()
-
-    def chunk_ended(self, seconds: float, steps: int) -> None:
-        self.trained += seconds
-        self.steps += steps
-        self.chunk_started = None
-
-    def overdue(self) -> bool:
-        if self.budget is None or self.trainer.position <= self.first:
-            return False
-        running = time.monotonic() - self.chunk_started if self.chunk_started is not None else 0.0
-        step = self.step_seconds or (self.trained / self.steps if self.steps else running)
-        return self.trained + running + 0.5 * step > self.budget

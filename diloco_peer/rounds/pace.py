@@ -22,8 +22,10 @@ DiLoCo paper does. How contributions of unequal steps are weighted: ``training.o
 from __future__ import annotations
 
 import statistics
+import time
 
 from ..swarm.progress_record import ProgressRecord
+from ..training.trainer import Trainer
 
 SMOOTHING = 0.5
 """Weight of the newest round in the moving averages (a loaded machine's pace drifts within a few rounds)."""
@@ -105,6 +107,38 @@ class Pace:
         if budget is None or self.step_seconds is None:
             return self.inner_steps
         return max(1, min(self.inner_steps, int(budget / self.step_seconds + 0.5)))
+
+
+class RoundClock:
+    """When a round bounded by time is over: once its next inner step would end more than half a step past the
+    budget, one step at least (``budget`` None: never, the round is H steps). It counts the time in inner steps, not
+    the hops between chunks of them (those are the round's other work, which the budget has left out already).
+    ``trainer``'s LR position says when the first step is done."""
+
+    def __init__(self, budget: float | None, step_seconds: float | None, trainer: Trainer):
+        self.budget = budget
+        self.step_seconds = step_seconds
+        """Our seconds per inner step, lately (None: not measured yet; the steps of this round tell)."""
+        self.trainer = trainer
+        self.first = trainer.position
+        self.trained = 0.0
+        self.steps = 0
+        self.chunk_started: float | None = None
+
+    def chunk_starts(self) -> None:
+        self.chunk_started = time.monotonic()
+
+    def chunk_ended(self, seconds: float, steps: int) -> None:
+        self.trained += seconds
+        self.steps += steps
+        self.chunk_started = None
+
+    def overdue(self) -> bool:
+        if self.budget is None or self.trainer.position <= self.first:
+            return False
+        running = time.monotonic() - self.chunk_started if self.chunk_started is not None else 0.0
+        step = self.step_seconds or (self.trained / self.steps if self.steps else running)
+        return self.trained + running + 0.5 * step > self.budget
 
 
 def _smooth(average: float | None, value: float) -> float:
