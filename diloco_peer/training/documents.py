@@ -61,10 +61,8 @@ def stdlib_documents(max_bytes: int) -> Iterator[Document]:
     """The standard library's *.py files in sorted order (site-packages excluded: it differs per machine)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     total = 0
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(_stdlib_sources(root)):
         rel = path.relative_to(root).as_posix()
-        if rel.startswith(("site-packages/", "dist-packages/")):
-            continue
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
@@ -73,6 +71,16 @@ def stdlib_documents(max_bytes: int) -> Iterator[Document]:
         total += len(text)
         if total >= max_bytes:
             return
+
+
+def _stdlib_sources(root: Path) -> Iterator[Path]:
+    """The *.py files under ``root``, not looking into its site-packages (or dist-packages) at all: an interpreter's
+    own site-packages can hold far more files than the standard library (IPython, pytest...), and walking them took
+    most of a corpus's start-up. Symlinked directories are not followed (as ``Path.rglob`` does not)."""
+    for folder, subfolders, files in os.walk(root):
+        if folder == str(root):
+            subfolders[:] = [d for d in subfolders if d not in ("site-packages", "dist-packages")]
+        yield from (Path(folder, name) for name in files if name.endswith(".py"))
 
 
 def _json_text(line: str, where: str, text_field: str) -> str:
