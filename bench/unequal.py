@@ -46,9 +46,10 @@ def run(workdir: Path, shares: list[str], length: str, rounds: int) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     names = [f"p{i}" for i in range(len(shares))]
     with contextlib.ExitStack() as stack:
-        swarm = stack.enter_context(LocalSwarm(workdir, sets=[*SETS, f"outer.round_length={length}",
-                                                              f"run.max_rounds={rounds}"],
-                                               env={"PYTHONPATH": str(ROOT)}))
+        # the first round waits for every peer (a throttled one takes a while to start): the rounds measured are
+        # the swarm's steady state, all of it in
+        sets = [*SETS, f"outer.round_length={length}", f"run.max_rounds={rounds}", f"averaging.min_peers={len(shares)}"]
+        swarm = stack.enter_context(LocalSwarm(workdir, sets=sets, env={"PYTHONPATH": str(ROOT)}))
         swarm.start_bootstrap("--report-every", "10")
         for name, share in zip(names, shares):
             wrap = () if share == "full" else in_cgroup(stack.enter_context(cpu_quota(f"unequal-{name}",

@@ -27,7 +27,8 @@ def summarize(logs: dict[str, Path], wall_seconds: float, exit_codes: dict[str, 
             elif event["event"] == "round":
                 rounds.append({"peer": name, **{k: event[k] for k in ROUND_FIELDS},
                                **{k: event[k] for k in ("eval_loss", "train_loss", "tokens", "compute_seconds",
-                                                        "values_not_averaged", "error", "param_sha256")}})
+                                                        "values_not_averaged", "error", "param_sha256")},
+                               "inner_steps": event.get("inner_steps", 0)})
                 last_hash[name] = (event["round"], event["param_sha256"])
     per_peer = Counter(r["peer"] for r in rounds)
     final_round = max((r["round"] for r in rounds), default=0)
@@ -55,21 +56,24 @@ def summarize(logs: dict[str, Path], wall_seconds: float, exit_codes: dict[str, 
 
 
 def format_table(summary: dict) -> str:
-    """One line per outer round: how many peers averaged, group sizes, eval loss, time, traffic, identity."""
+    """One line per outer round: how many peers averaged, group sizes, inner steps (fewest-most: rounds bounded by
+    time give a slower peer fewer), eval loss, time, traffic, identity."""
     by_round: dict[int, list[dict]] = {}
     for r in summary["rounds"]:
         by_round.setdefault(r["round"], []).append(r)
-    lines = [f"{'round':>5} {'averaged':>9} {'groups':>8} {'eval loss':>9} {'all-reduce s':>12} "
+    lines = [f"{'round':>5} {'averaged':>9} {'groups':>8} {'steps':>7} {'eval loss':>9} {'all-reduce s':>12} "
              f"{'MB/peer':>8} {'identical':>9}"]
     for rnd in sorted(by_round):
         rows = by_round[rnd]
         averaged = sum(r["outcome"] == "averaged" for r in rows)
         groups = "/".join(str(g) for g in sorted({r["group_size"] for r in rows}))
+        fewest, most = min(r.get("inner_steps", 0) for r in rows), max(r.get("inner_steps", 0) for r in rows)
+        steps = f"{most}" if fewest == most else f"{fewest}-{most}"
         eval_loss = sum(r["eval_loss"] for r in rows) / len(rows)
         seconds = max(r["allreduce_seconds"] for r in rows)
         mb = sum(r["bytes_sent"] + r["bytes_received"] for r in rows) / len(rows) / 1e6
         identical = "yes" if len({r["param_sha256"] for r in rows}) == 1 else "NO"
-        lines.append(f"{rnd:>5} {averaged:>5}/{len(rows):<3} {groups:>8} {eval_loss:>9.4f} {seconds:>12.2f} "
+        lines.append(f"{rnd:>5} {averaged:>5}/{len(rows):<3} {groups:>8} {steps:>7} {eval_loss:>9.4f} {seconds:>12.2f} "
                      f"{mb:>8.2f} {identical:>9}")
     s = summary
     first = s["eval_loss_first"]
