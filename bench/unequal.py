@@ -55,8 +55,9 @@ def run(workdir: Path, shares: list[str], length: str, rounds: int) -> dict:
             wrap = () if share == "full" else in_cgroup(stack.enter_context(cpu_quota(f"unequal-{name}",
                                                                                       float(share))))
             swarm.start_peer(name, wrap=wrap)
+        # (a peer at 0.06 of a core takes minutes to start and, with a fixed H, ~30 s a round)
         swarm.wait_for(f"{rounds} rounds of every peer", lambda: all(p.poll() is not None for p in
-                                                                      swarm.peers.values()), timeout=60 * rounds)
+                                                                      swarm.peers.values()), timeout=300 + 90 * rounds)
         swarm.reap()
         logs = {name: swarm.events(name, "round") for name in names}
     return measure(logs, shares)
