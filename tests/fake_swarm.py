@@ -72,16 +72,18 @@ class Hub:
     """One group per epoch: the token-weighted mean of what its members send."""
 
     script: dict[tuple[int, str], str] = field(default_factory=dict)
-    """(epoch, peer name) -> "fail" (its all-reduce fails) or "partial" (half its vector keeps its own values)."""
+    """(epoch, peer name) -> "fail" (its all-reduce fails), "partial" (half its vector keeps its own values) or
+    "group:NAME" (it averages in a group of that name, apart from the others: a split)."""
     means: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     """The group's mean of each epoch, as computed."""
     wait: float = 0.5
     """Seconds a group waits for the members the gate expected."""
-    _sent: dict[int, dict[str, tuple[list[torch.Tensor], float]]] = field(default_factory=dict)
+    _sent: dict[tuple[int, str], dict[str, tuple[list[torch.Tensor], float]]] = field(default_factory=dict)
 
     async def average(self, name: str, tensors: list[torch.Tensor], weight: float, epoch: int,
                       expected: int | None) -> RoundResult:
-        group = self._sent.setdefault(epoch, {})
+        tag = self.script.get((epoch, name), "")
+        group = self._sent.setdefault((epoch, tag if tag.startswith("group:") else ""), {})
         group[name] = ([t.clone() for t in tensors], weight)
         deadline = time.monotonic() + self.wait
         while len(group) < (expected or 2) and time.monotonic() < deadline:
@@ -91,7 +93,8 @@ class Hub:
             return RoundResult(ok=False, error="no other peer joined the group" if len(group) < 2 else "scripted")
         total = sum(w for _, w in group.values())
         mean = [sum(ts[i] * (w / total) for ts, w in group.values()) for i in range(len(tensors))]
-        self.means.setdefault(epoch, mean)
+        if not tag.startswith("group:"):
+            self.means.setdefault(epoch, mean)
         averaged, lost = [m.clone() for m in mean], 0
         if self.script.get((epoch, name)) == "partial":  # a reducer died: its span keeps our own values
             averaged[0] = tensors[0].clone()

@@ -167,9 +167,10 @@ def test_a_newcomer_syncs_to_the_swarm_then_averages(tmp_path, mode):
     assert same(a.outer.params, c.outer.params) and same(b.outer.params, c.outer.params)
 
 
-def _exchange(ok=True, ready=2, averaged=(1.0,), lost=0, off_swarm="", error="") -> Exchange:
+def _exchange(ok=True, ready=2, averaged=(1.0,), lost=0, off_swarm="", error="", group=None) -> Exchange:
     tensors = [torch.tensor(list(averaged))] if ok else None
-    result = RoundResult(ok=ok, averaged=tensors, sent_norm=1.0, values_not_averaged=lost, error=error)
+    result = RoundResult(ok=ok, averaged=tensors, sent_norm=1.0, values_not_averaged=lost, error=error,
+                         group_size=ready if group is None else group)
     return Exchange(ReadyDecision(ready, ready, 0.0, ALL_READY), result, off_swarm=off_swarm)
 
 
@@ -181,7 +182,8 @@ def _exchange(ok=True, ready=2, averaged=(1.0,), lost=0, off_swarm="", error="")
     (_exchange(ok=False, error="timeout"), "failed", False, True, False, False),
     (_exchange(ok=False, ready=1, error="alone"), "solo", False, True, False, False),
     (_exchange(off_swarm="our weights differ"), "averaged", True, True, False, False),
-], ids=["averaged", "partial", "non-finite", "too-long", "failed", "solo", "off-swarm"])
+    (_exchange(ready=4, group=2), "averaged", True, False, True, True),
+], ids=["averaged", "partial", "non-finite", "too-long", "failed", "solo", "off-swarm", "split"])
 def test_the_verdict(exchange, outcome, with_average, seeks, rechecks, clean):
     verdict = decide(exchange, epoch=3, max_update_ratio=10.0)
     assert (verdict.outcome, verdict.steps_with_average, verdict.seeks_swarm_state, verdict.rechecks,
@@ -298,3 +300,19 @@ def test_the_gate_does_not_wait_for_a_peer_that_cannot_be_ready_in_time():
 
     decision = asyncio.run(asyncio.wait_for(gate(), timeout=5))
     assert decision.reason == ALL_READY and decision.ready == 1
+
+
+@pytest.mark.parametrize("mode", ["blocking", "eager"])
+def test_a_round_split_into_groups_heals_within_itself(tmp_path, mode):
+    """Round 2's four peers average in two groups of two (matchmaking split them, as 16 peers on a loaded machine
+    did): each pair holds an average of its own. Each sees its group held fewer than the gate's ready peers and
+    compares its state with the others' once they have stepped: one pair takes the other's, in that round."""
+    swarm = FakeSwarm(tmp_path, SCHEDULES[mode])
+    peers = [swarm.add(name, target=t) for name, t in zip("abcd", (1.0, 2.0, 3.0, 4.0))]
+    swarm.hub.script.update({(1, "c"): "group:apart", (1, "d"): "group:apart"})
+    swarm.run(3)
+    assert all(outcomes(p) == ["averaged"] * 3 for p in peers), [outcomes(p) for p in peers]
+    assert [p.records[1].group_size for p in peers] == [2, 2, 2, 2]
+    assert sum(p.sync.syncs for p in peers) == 2  # one pair took the other's state
+    for r in range(3):
+        assert len({p.records[r].param_sha256 for p in peers}) == 1, r

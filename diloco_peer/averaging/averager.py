@@ -34,6 +34,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 from hivemind.dht import DHT
+from hivemind.utils import get_dht_time
 
 from ..config import AveragingConfig
 from ..config.faults import NO_FAULTS, Faults
@@ -50,6 +51,11 @@ from .traffic import FAILED_VALUES, RECEIVED, RELAYED, SENT, TRANSFER_US
 def wire_compression(name: str) -> CompressionBase:
     """The hivemind compression that sends pseudo-gradients as ``averaging.compression`` says."""
     return {"none": NoCompression, "fp16": Float16Compression}.get(name, lambda: WireCompression(name))()
+
+
+PEERS_PER_WINDOW = 4
+"""Groups of up to this many gather within ``averaging.matchmaking_time``; a larger one gets as many such windows as
+it has groups of this many (``RoundAverager.matchmaking_window``)."""
 
 
 class _ExpectedFailuresInOneLine(logging.Filter):
@@ -235,22 +241,23 @@ class RoundAverager:
         size = expected if expected and expected >= 2 else None
         await hivemind_calls.call(self.averager.expect_group, size, format(epoch, "b"), nudge,
                                   timeout=self.cfg.request_timeout * 10)
+        window = self.matchmaking_window(size)
         control = self.averager.step(
             weight=float(weight),
             # bans: the peers we ban, so that a leader leaves them out before the group forms (group_bans.py)
             gather={"epoch": epoch, "tokens": int(weight), "proof": self.admission.proof(self.peer_id),
                     "relayed": self.relayed, "bans": self.banned()},
-            # deadline for *finding* a group: after the round gate, peers arrive within a second, so one
-            # matchmaking period suffices; three leave room for a retry (the all-reduce has its own timeout)
-            timeout=self.cfg.matchmaking_time * 3,
+            scheduled_time=get_dht_time() + window,
+            # deadline for *finding* a group: one window, and two more for a retry (the all-reduce has its own)
+            timeout=window * 3,
             wait=False,
         )
         self._control = control
         try:
             # bounded: a step answers within its matchmaking deadline plus the all-reduce's own timeouts (with
             # a retry); longer, it waits on an averager process that is gone, and is abandoned
-            gathered = await hivemind_calls.call(control.result, timeout=self.cfg.matchmaking_time * 3
-                                                 + 2 * self.cfg.allreduce_timeout + 30)
+            gathered = await hivemind_calls.call(control.result, timeout=window * 3 + 2 * self.cfg.allreduce_timeout
+                                                 + 30)
         except asyncio.CancelledError:
             control.cancel()
             raise
@@ -274,6 +281,14 @@ class RoundAverager:
             values_not_averaged=delta[FAILED_VALUES], transfer_seconds=delta[TRANSFER_US] / 1e6,
             offenses=self.offenses(), **kwargs,
         )
+
+    def matchmaking_window(self, expected: int | None) -> float:
+        """Seconds a group we lead gathers the ``expected`` peers the round gate saw (``averaging.matchmaking_time``;
+        longer for a larger group). The peers of a round learn that all are ready a poll and a DHT read apart: 16 tiny
+        peers on 2 cores opened their gates up to 5 s apart, and a leader that assembled after 3 s left the last two
+        to a group of their own (their replicas then differed). A complete group starts at once
+        (``start_when_complete``): the window only bounds the wait for a peer that does not come."""
+        return self.cfg.matchmaking_time * max(1.0, (expected or 0) / PEERS_PER_WINDOW)
 
     def offenses(self) -> list[dict]:
         """Contributions our averager refused since the last call: {offender, kind, detail, banned}."""

@@ -11,8 +11,9 @@ Where the peers' records are read decides what "the swarm's state" means:
 - after a failed round, the state the *other* peers end that round with (``Healing.round_end`` waits for them;
   with two peers our own un-stepped record would otherwise make us our own target); a solo step follows only if
   they have none;
-- after a partial round, the state the group's members end it with, ours included: each holds one of its own, and
-  all must pick the same (judged by the others alone, two members could each wait for the other's, seen in CI).
+- after a partial round, or one whose group held only some of the round's peers (they split into groups), the state
+  the round's peers end it with, ours included: each may hold one of its own, and all must pick the same (judged
+  by the others alone, two members could each wait for the other's, seen in CI).
 
 A sync that fails tells which claims did not hold (``after_failed_sync``): they stop counting towards the target.
 """
@@ -82,9 +83,10 @@ class Healing:
         own = self.progress.record.peer_id
         return await self.catch_up([r for r in records if r.peer_id != own], sending=True)
 
-    async def after_partial_round(self, epoch: int) -> bool:
-        """Part of our vector of round ``epoch`` was not averaged: once the group's members have stepped, take the
-        state most of them hold, ours as it is now included, if it is not ours. True if we did."""
+    async def recheck_after_round(self, epoch: int) -> bool:
+        """Round ``epoch`` may have left our weights off the swarm's (part of our vector was not averaged, or our
+        group held only some of the round's peers): once the others have stepped, take the state most of them hold,
+        ours as it is now included, if it is not ours. True if we did."""
         records = await self.round_end(epoch, extra=3 * self.cfg.heartbeat)
         own = self.progress.record.peer_id
         records = [r for r in records if r.peer_id != own]

@@ -45,8 +45,10 @@ class Verdict:
     """Before stepping: if the other peers end this round with a state other than ours, take theirs instead of
     stepping (no average to step with; or the gate found our outer weights off the swarm's)."""
     rechecks: bool
-    """After stepping: part of our vector was not averaged, so our weights differ from the group's: compare them
-    with the state the others end the round with, ours included, and take that one if it is not ours."""
+    """After stepping, our weights may differ from the swarm's: part of our vector was not averaged (our weights
+    differ from our group's), or our group held fewer peers than the gate saw ready (the round's peers split into
+    groups, each with an average of its own). Compare them with the state the others end the round with, ours
+    included, and take that one if it is not ours: a split heals within its round."""
     error: str
     """Why the group's average is not applied ("" where it is)."""
     warnings: tuple[str, ...] = ()
@@ -93,7 +95,11 @@ def decide(exchange: Exchange, epoch: int, max_update_ratio: float, faults: Faul
     if result.values_not_averaged:
         warnings.append(f"round {round_number}: {result.values_not_averaged} values were not averaged (a peer failed "
                         f"mid-round); checking our weights against the swarm's")
+    split = averaged and result.group_size < decision.ready
+    if split:
+        warnings.append(f"round {round_number}: averaged in a group of {result.group_size} where the gate saw "
+                        f"{decision.ready} ready; checking our weights against the swarm's")
     return Verdict(outcome=outcome, steps_with_average=averaged,
                    seeks_swarm_state=not averaged or bool(exchange.off_swarm),
-                   rechecks=bool(result.values_not_averaged), error="" if averaged else error,
+                   rechecks=bool(result.values_not_averaged) or split, error="" if averaged else error,
                    warnings=tuple(warnings))

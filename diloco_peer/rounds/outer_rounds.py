@@ -188,13 +188,12 @@ class OuterRounds:
             logger.warning(warning)
         await self._apply(verdict, exchange.result, unsent, epoch)
         if verdict.rechecks:
-            # our weights now differ from those of the others in the group: our step goes into our record now, if it
-            # is not there yet (each member waits for the others' before it compares), then the state most of the
-            # group holds wins
+            # our weights may differ from the other peers' of the round: our step goes into our record now, if it is
+            # not there yet (each peer waits for the others' before it compares), then the state most of them hold
             if (self.progress.record.epoch, self.progress.record.state_hash) != (self.outer.epoch,
                                                                                self.sync.state_hash):
                 await self.publish_step()
-            if await self.healing.after_partial_round(epoch):
+            if await self.healing.recheck_after_round(epoch):
                 await self.schedule.after_sync(self, unsent)
         eval_loss = await self.schedule.evaluate(self)
         return self._record(epoch, exchange, verdict, inner, eval_loss)
