@@ -102,11 +102,12 @@ class ReadyDecision:
 
 
 def _round_peers(records: list[ProgressRecord], epoch: int, lag: int,
-                 too_slow=None) -> tuple[int, list[ProgressRecord]]:
-    """The peers of the round of ``epoch`` among ``records`` (the gate waits for them), and how many are ready.
+                 too_slow=None) -> tuple[int, list[ProgressRecord], int]:
+    """The peers of the round of ``epoch`` among ``records`` (the gate waits for them), how many are ready, and how
+    many it leaves out: a peer that is not ready and ``too_slow`` to be in time is not waited for.
     ``lag`` 1 (overlapped): those whose record says they train that round (``round``), and those that sent it (at
     ``epoch`` and ready). ``lag`` 0 (blocking): those at ``epoch``, and joined peers behind that sync towards its round
-    (``Healing.heading_for``), not ready yet. Not a peer that is not ready and ``too_slow`` to be in time."""
+    (``Healing.heading_for``), not ready yet."""
     if lag:
         sent = [r for r in records if r.epoch == epoch and r.ready]
         peers = sent + [r for r in records if r.round == epoch and not (r.epoch == epoch and r.ready)]
@@ -114,9 +115,8 @@ def _round_peers(records: list[ProgressRecord], epoch: int, lag: int,
     else:
         peers = [r for r in records if r.epoch == epoch or r.joined and r.epoch < epoch == r.round]
         ready = sum(r.ready and r.epoch == epoch for r in peers)
-    if too_slow is not None:
-        peers = [r for r in peers if r.ready or not too_slow(r, records)]
-    return ready, peers
+    kept = [r for r in peers if r.ready or too_slow is None or not too_slow(r, records)]
+    return ready, kept, len(peers) - len(kept)
 
 
 class SwarmProgress:
@@ -278,12 +278,9 @@ class SwarmProgress:
         Returns early (with reason "stopping") as soon as ``should_stop()`` is true, so that a leaving peer never
         waits here.
 
-        ``too_slow(record, records)``: a peer not ready yet that it names cannot be ready in time (rounds bounded by
-        time: one inner step of it takes longer than the whole round, ``rounds/pace.py``), and is not waited for.
-
-        ``lag``: the schedule's (``rounds/schedule.py``): 0 in blocking rounds; 1 in overlapped ones, where the peers
-        to wait for are those whose record says they train the round of our epoch (``round``), and a peer that sent
-        it is at our epoch and ready (and already trains the next round).
+        Whom it waits for (``_round_peers``) depends on the schedule's ``lag`` (``rounds/schedule.py``: 0 blocking,
+        1 overlapped); a peer not ready yet that ``too_slow(record, records)`` names cannot be ready in time (rounds
+        bounded by time: one inner step of it outlasts the round, ``rounds/pace.py``) and is not waited for.
 
         Liars can only delay or hurry a round, within bounds: one that claims our epoch (or to sync towards it) and
         never gets ready holds the gate ``ready_timeout`` at most; fake peers can fill ``min_peers`` early (the
@@ -303,7 +300,8 @@ class SwarmProgress:
             records = await self.swarm_records()
             reads += 1
             epoch = self.record.epoch
-            ready, same_epoch = _round_peers(records, epoch, lag, too_slow)
+            ready, same_epoch, too_late = _round_peers(records, epoch, lag, too_slow)
+            expected = self.present - too_late  # (a peer we do not wait for does not come to matchmaking either)
             now = time.monotonic()
             waited = now - started
             # ahead of the swarm (a round of ours failed, the others' did not): they reach our epoch round by
@@ -313,15 +311,15 @@ class SwarmProgress:
             if self.present >= min_peers:  # every live peer counts, trusted or not (below)
                 quorum_since = quorum_since if quorum_since is not None else now
                 if ready == len(same_epoch) and not ahead:
-                    return ReadyDecision(ready, len(records), waited, ALL_READY, records, reads, self.present)
+                    return ReadyDecision(ready, len(records), waited, ALL_READY, records, reads, expected)
                 if now - quorum_since >= ready_timeout:
                     why = (f"ahead of the swarm (epoch {swarm}) after waiting {ready_timeout:g}s for it" if ahead
                            else f"stragglers left behind after {ready_timeout:g}s")
-                    return ReadyDecision(ready, len(records), waited, why, records, reads, self.present)
+                    return ReadyDecision(ready, len(records), waited, why, records, reads, expected)
             elif waited >= min_peers_timeout:
                 return ReadyDecision(ready, len(records), waited,
                                      f"only {self.present} of min_peers={min_peers} after {waited:.0f}s", records,
-                                     reads, self.present)
+                                     reads, expected)
             await self._nap(len(records), started)
 
     async def _nap(self, peers: int, since: float) -> None:
