@@ -304,15 +304,16 @@ def test_the_gate_does_not_wait_for_a_peer_that_cannot_be_ready_in_time():
 
 @pytest.mark.parametrize("mode", ["blocking", "eager"])
 def test_a_round_split_into_groups_heals_within_itself(tmp_path, mode):
-    """Round 2's four peers average in two groups of two (matchmaking split them, as 16 peers on a loaded machine
-    did): each pair holds an average of its own. Each sees its group held fewer than the gate's ready peers and
-    compares its state with the others' once they have stepped: one pair takes the other's, in that round."""
+    """Round 2's five peers average in a group of three and one of two (matchmaking split them, as 16 peers on a
+    loaded machine did): each group holds an average of its own. Each peer sees its group held fewer than the gate's
+    ready peers and compares its state with the others' once they have stepped: the pair takes the three's, in that
+    round."""
     swarm = FakeSwarm(tmp_path, SCHEDULES[mode])
-    peers = [swarm.add(name, target=t) for name, t in zip("abcd", (1.0, 2.0, 3.0, 4.0))]
-    swarm.hub.script.update({(1, "c"): "group:apart", (1, "d"): "group:apart"})
+    peers = [swarm.add(name, target=t) for name, t in zip("abcde", (1.0, 2.0, 3.0, 4.0, 5.0))]
+    swarm.hub.script.update({(1, "d"): "group:apart", (1, "e"): "group:apart"})
     swarm.run(3)
     assert all(outcomes(p) == ["averaged"] * 3 for p in peers), [outcomes(p) for p in peers]
-    assert [p.records[1].group_size for p in peers] == [2, 2, 2, 2]
-    assert sum(p.sync.syncs for p in peers) == 2  # one pair took the other's state
+    assert [p.records[1].group_size for p in peers] == [3, 3, 3, 2, 2]
+    assert [p.sync.syncs for p in peers] == [0, 0, 0, 1, 1]  # the pair took the three's state
     for r in range(3):
         assert len({p.records[r].param_sha256 for p in peers}) == 1, r

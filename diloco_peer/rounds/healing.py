@@ -69,11 +69,12 @@ class Healing:
         self.downloads = 0
         """State downloads begun (``catch_up``)."""
 
-    async def round_end(self, epoch: int, extra: float = 0.0, ready_only: bool = False) -> list[ProgressRecord]:
-        """The swarm's records once some peer has ended round ``epoch`` (``ready_timeout + extra`` at most;
-        ``ready_only``: not waiting for peers at ``epoch`` that no longer average it, see ``wait_for_round_end``)."""
+    async def round_end(self, epoch: int, extra: float = 0.0, ready_only: bool = False,
+                        everyone: bool = False) -> list[ProgressRecord]:
+        """The swarm's records once the others have ended round ``epoch`` (``ready_timeout + extra`` at most;
+        ``ready_only``, ``everyone``: see ``wait_for_round_end``)."""
         return await self.progress.wait_for_round_end(epoch, self.cfg.ready_timeout + extra, self.should_stop,
-                                                      ready_only=ready_only)
+                                                      ready_only=ready_only, everyone=everyone)
 
     async def after_failed_round(self, epoch: int) -> bool:
         """Our round ``epoch`` ended without an average to step with (or off the swarm's weights): take the state the
@@ -87,7 +88,9 @@ class Healing:
         """Round ``epoch`` may have left our weights off the swarm's (part of our vector was not averaged, or our
         group held only some of the round's peers): once the others have stepped, take the state most of them hold,
         ours as it is now included, if it is not ours. True if we did."""
-        records = await self.round_end(epoch, extra=3 * self.cfg.heartbeat)
+        # every peer that averaged this round (ready at its epoch until it steps), one that died mid-round until
+        # its record expires (3 heartbeats)
+        records = await self.round_end(epoch, extra=3 * self.cfg.heartbeat, ready_only=True, everyone=True)
         own = self.progress.record.peer_id
         records = [r for r in records if r.peer_id != own]
         records.append(self.progress.record.copy(update={"epoch": self.outer.epoch,

@@ -229,20 +229,23 @@ class SwarmProgress:
         return [r for r in kept if r.peer_id not in self._suspects or confirmed[(r.epoch, r.state_hash)]]
 
     async def wait_for_round_end(self, epoch: int, timeout: float, should_stop=lambda: False,
-                                 ready_only: bool = False) -> list[ProgressRecord]:
+                                 ready_only: bool = False, everyone: bool = False) -> list[ProgressRecord]:
         """Records, once the others (by quorum, ``quorum_epoch``) have stepped past ``epoch`` (at once if
         nobody else is at ``epoch``; at most ``timeout`` seconds). A peer whose round failed compares its
         weights with those the others *end* the round with, not with their records from before it. One
         peer claiming a later epoch does not end the wait; one that claims ``epoch`` forever stretches it
-        to ``timeout``, no longer. ``ready_only`` (overlapped rounds): peers at ``epoch`` that are not
-        ready are not waited for either: their round failed too, and they wait just like us."""
+        to ``timeout``, no longer. ``ready_only``: peers at ``epoch`` that are not ready are not waited for
+        either: their round failed too, and they wait just like us. ``everyone``: a quorum is not enough, every
+        peer still at ``epoch`` is waited for (a peer that rechecks a split round compares the states of all the
+        round's groups: with a quorum in, the larger group's last members were not, and a peer of it took the
+        smaller group's state)."""
         deadline = time.monotonic() + timeout
         while True:
             records = await self.swarm_records()
             others = [r for r in records if r.peer_id != self.record.peer_id]
             pending = [r for r in others if r.epoch == epoch and (r.ready or not ready_only)]
-            if (quorum_epoch(others, QUORUM) or 0) > epoch or not pending \
-                    or time.monotonic() >= deadline or should_stop():
+            stepped = not everyone and (quorum_epoch(others, QUORUM) or 0) > epoch
+            if stepped or not pending or time.monotonic() >= deadline or should_stop():
                 return records
             await asyncio.sleep(self.POLL_SECONDS)
 
