@@ -112,7 +112,8 @@ class HubAverager:
         self.hub, self.name, self.faults = hub, name, faults
         self.failed_rounds = 0
 
-    async def average(self, pseudo_gradient, weight, epoch, expected=None, nudge=()) -> RoundResult:
+    async def average(self, pseudo_gradient, weight, epoch, expected=None, nudge=(),
+                      step_seconds=None) -> RoundResult:
         return await self.hub.average(self.name, pseudo_gradient, weight, epoch, expected)
 
     def round_failed(self) -> None:

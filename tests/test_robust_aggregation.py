@@ -30,6 +30,7 @@ from diloco_peer.averaging.robust_aggregation import (
     check_arrival,
     check_average,
     coordinate_median,
+    paced_bandwidths,
     refuse_update,
     vector_norm,
 )
@@ -481,3 +482,15 @@ def test_a_reducer_that_trained_few_steps_takes_the_heavier_honest_parts_and_sti
     long = {**parts, 4: (50 * torch.ones(4), 20.0)}
     assert [(s, p.kind) for s, p in aggregate(long, 0, limits)[1]] == [(4, "norm")]
     assert [(s, p.kind) for s, p in aggregate({0: slow, 1: (torch.ones(4), 30.0)}, 0, limits)[1]] == [(1, "weight")]
+
+
+def test_a_slower_member_reduces_a_smaller_span():
+    """A member held to a sixth of a core reducing a quarter of the vector held every round's all-reduce: the split
+    is scaled by each member's speed against the group's median member (gathered step_seconds)."""
+    assert paced_bandwidths([None, None, None, None], [0.1, 0.1, 0.1, 0.4]) == [1.0, 1.0, 1.0, 0.25]
+    assert paced_bandwidths([None, None, 0.0], [0.1, 0.1, 0.4]) == [1.0, 1.0, 0.0]  # a client reduces nothing still
+    assert paced_bandwidths([10.0, 20.0, None], [0.1, 0.2, 0.1]) == [10.0, 10.0, 15.0]
+    assert paced_bandwidths([None, None], [0.1, 0.1]) == [None, None]  # all alike: unchanged
+    assert paced_bandwidths([None, None, None], [0.1, None, 0.1]) == [None, None, None]
+    # a member claiming to be very fast counts as the median: no bigger share
+    assert paced_bandwidths([None, None, None], [1e-9, 0.1, 0.1]) == [1.0, 1.0, 1.0]

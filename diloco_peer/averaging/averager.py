@@ -203,7 +203,8 @@ class RoundAverager:
             lock.release()
 
     async def average(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int,
-                      expected: int | None = None, nudge: list[str] = ()) -> RoundResult:
+                      expected: int | None = None, nudge: list[str] = (),
+                      step_seconds: float | None = None) -> RoundResult:
         """All-reduce ``pseudo_gradient`` (weighted by ``weight``, the tokens behind it) with a group.
 
         :param epoch: our outer epoch: only peers averaging the same epoch share a group
@@ -215,6 +216,8 @@ class RoundAverager:
           peer's gate opened: a full group refuses it, and it lost rounds that way in a 4-peer NAT test.)
         :param nudge: peers (base58 ids) waiting at their round gates, told that the round's last peer is ready
           (``member_news.py``; their gates watch ``nudged``)
+        :param step_seconds: our seconds per inner step, lately (``rounds/pace.py``), gathered: a slower member
+          reduces a smaller span (``robust_aggregation.paced_bandwidths``); None: not measured
         """
         started = time.perf_counter()
         before = self.averager.traffic.clone()
@@ -222,12 +225,13 @@ class RoundAverager:
             pseudo_gradient, _ = self.feedback.roundtrip(pseudo_gradient)
         self._in_flight = True
         try:
-            return await self._average(pseudo_gradient, weight, epoch, expected, nudge, started, before)
+            return await self._average(pseudo_gradient, weight, epoch, expected, nudge, step_seconds, started, before)
         finally:
             self._in_flight = False
 
     async def _average(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int, expected: int | None,
-                       nudge: list[str], started: float, before: torch.Tensor) -> RoundResult:
+                       nudge: list[str], step_seconds: float | None, started: float,
+                       before: torch.Tensor) -> RoundResult:
         if any(a is not b for a, b in zip(pseudo_gradient, self._inputs)):  # not written in place: copied
             with self.averager.get_tensors():  # (a late all-reduce of an abandoned round must not read it half-way)
                 for target, source in zip(self._inputs, pseudo_gradient):
@@ -246,7 +250,7 @@ class RoundAverager:
             weight=float(weight),
             # bans: the peers we ban, so that a leader leaves them out before the group forms (group_bans.py)
             gather={"epoch": epoch, "tokens": int(weight), "proof": self.admission.proof(self.peer_id),
-                    "relayed": self.relayed, "bans": self.banned()},
+                    "relayed": self.relayed, "bans": self.banned(), "step_seconds": step_seconds},
             scheduled_time=get_dht_time() + window,
             # deadline for *finding* a group: one window, and two more for a retry (the all-reduce has its own)
             timeout=window * 3,

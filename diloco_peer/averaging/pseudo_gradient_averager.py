@@ -47,7 +47,7 @@ from . import assembly_grace, round_log, state_transfer, traffic
 from .allreduce import ExactAllReduceRunner
 from .member_news import MemberNews
 from .membership import Membership
-from .robust_aggregation import BanList, Limits, capped_bandwidths
+from .robust_aggregation import BanList, Limits, capped_bandwidths, paced_bandwidths
 
 logger = logging.getLogger(__name__)
 
@@ -286,18 +286,23 @@ class PseudoGradientAverager(DecentralizedAverager):
         bandwidths = []
         modes = []
         relayed = []
+        paces = []
         for gathered in group_info.gathered:
             bandwidth, mode, user = self.serializer.loads(gathered)
             bandwidths.append(bandwidth)
             modes.append(AveragingMode(mode))
             try:
-                relayed.append(self.serializer.loads(user).get("relayed") is True)
+                fields = self.serializer.loads(user)
+                relayed.append(fields.get("relayed") is True)
+                pace = fields.get("step_seconds")
+                paces.append(float(pace) if isinstance(pace, (int, float)) and pace == pace else None)
             except Exception:  # not our gather format: Membership.refusal deals with such a member
                 relayed.append(False)
+                paces.append(None)
         reducing = [m != AveragingMode.CLIENT for m in modes]
         if any(r and not x for r, x in zip(reducing, relayed)):
             reducing = [r and not x for r, x in zip(reducing, relayed)]
-        capped = capped_bandwidths([b if r else 0.0 for b, r in zip(bandwidths, reducing)])
+        capped = capped_bandwidths(paced_bandwidths([b if r else 0.0 for b, r in zip(bandwidths, reducing)], paces))
         return load_balance_peers(self.total_size, capped, self.allreduce_kwargs["min_vector_size"])
 
     def _member_limits(self, group_info) -> Limits:

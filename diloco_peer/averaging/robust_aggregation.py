@@ -255,6 +255,28 @@ def capped_bandwidths(bandwidths: list[float | None]) -> list[float | None]:
     return [min(b, cap) if b is not None and b > 0 else b for b in bandwidths]
 
 
+def paced_bandwidths(bandwidths: list[float | None], step_seconds: list[float | None]) -> list[float | None]:
+    """The bandwidths the vector is split by, each member's scaled down by how much slower than the group's median
+    member it trains (its ``step_seconds``, gathered): a reducer answers its span at its own pace, and a peer held to
+    a sixth of a core reducing a quarter of the vector held every round's all-reduce (1.2 s where 0.27 s without it).
+    Faster than the median counts as the median (a member claiming speed gains no share); no pace gathered, or all
+    alike: unchanged. Undeclared bandwidths count as the declared ones' mean (hivemind's rule), or 1."""
+    known = [s for s in step_seconds if s is not None and s > 0]
+    if len(known) < 2 or len(set(known)) == 1:
+        return list(bandwidths)
+    median = statistics.median_low(known)
+    declared = [b for b in bandwidths if b is not None and b > 0]
+    default = sum(declared) / len(declared) if declared else 1.0
+    paced = []
+    for bandwidth, step in zip(bandwidths, step_seconds):
+        if bandwidth == 0:  # reduces nothing (client mode, relayed)
+            paced.append(bandwidth)
+            continue
+        speed = min(1.0, median / step) if step is not None and step > 0 else 1.0
+        paced.append((bandwidth if bandwidth is not None else default) * speed)
+    return paced
+
+
 def _outcome_seen(task: asyncio.Future) -> None:
     """Marks a shielded accumulation's outcome as read: its caller may be gone (asyncio would log it as lost)."""
     if not task.cancelled():

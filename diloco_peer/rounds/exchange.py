@@ -122,7 +122,8 @@ class RoundExchange:
         expected = (decision.expected if decision.reason == ALL_READY else decision.ready) \
             if cfg.start_when_complete else None
         result = await self.averager.average(pseudo_gradient, weight=tokens, epoch=epoch, expected=expected,
-                                             nudge=self._waiting(decision, epoch))
+                                             nudge=self._waiting(decision, epoch),
+                                             step_seconds=self.progress.record.step_seconds)
         return Exchange(decision, result, off_swarm=off_swarm)
 
     def _waiting(self, decision: ReadyDecision, epoch: int) -> list[str]:
