@@ -6,9 +6,10 @@
 Four ``diloco-peer join`` processes on loopback (tiny-cpu, H=20, one thread each) and a bootstrap node. A spread
 gives each peer's cpu share: ``full`` (no limit: the fast peers share this machine's cores) or a share of one core
 (a cpu cgroup, ``tools/cpu_quota.py``: 0.15 is what the issue measured, 10.8 s for 20 inner steps where three fast
-peers took 1.9 s). Each spread runs twice per round length: the fast peers alone, then all four, side by side in
-one process, so that the machine's mood is the same for both. Per run, from the peers' event logs, over the rounds
-after the first (start-up, and the first round's H steps before anything is measured):
+peers took 1.9 s). Each spread runs once per round length, after its fast peers alone (where there are two or
+more: one alone averages nothing), side by side in one process, so that the machine's mood is the same for all.
+Per run, from the peers' event logs, over the rounds after the first (start-up, and the first round's H steps
+before anything is measured):
 
 - averaged tokens/s: tokens of every peer's averaged rounds / the wall time those rounds took (first to last end);
 - per peer: its idle fraction (the gate's wait for the others / its round time), its inner steps a round, and the
@@ -103,20 +104,22 @@ def main() -> int:
     for spread in args.spreads:
         shares = spread.split(",")
         fast = [s for s in shares if s == "full"]
+        tag = spread.replace(",", "-")
+        # the baseline: the fast peers alone, where they are two or more (one alone averages nothing)
+        alone = run(Path(args.workdir) / f"{tag}-fast", fast, "time", args.rounds) if len(fast) > 1 else None
         for length in args.lengths.split(","):
-            tag = f"{spread.replace(',', '-')}-{length}"
             started = time.monotonic()
-            alone = run(Path(args.workdir) / f"{tag}-fast", fast, length, args.rounds)
-            every = run(Path(args.workdir) / f"{tag}-all", shares, length, args.rounds)
-            ratio = every["tokens_per_second"] / max(alone["tokens_per_second"], 1e-9)
-            print(f"\n{spread} round_length={length}: averaged {every['tokens_per_second']:,.0f} tokens/s, the fast "
-                  f"peers alone {alone['tokens_per_second']:,.0f} ({ratio:.2f}x); identical every round: "
-                  f"{every['identical']} ({time.monotonic() - started:.0f}s)")
+            every = run(Path(args.workdir) / f"{tag}-{length}", shares, length, args.rounds)
+            ratio = every["tokens_per_second"] / max(alone["tokens_per_second"], 1e-9) if alone else 0.0
+            versus = f", the fast peers alone {alone['tokens_per_second']:,.0f} ({ratio:.2f}x)" if alone else ""
+            print(f"\n{spread} round_length={length}: averaged {every['tokens_per_second']:,.0f} tokens/s{versus}; "
+                  f"identical every round: {every['identical']} ({time.monotonic() - started:.0f}s)")
             for name, peer in every["peers"].items():
                 print(f"  {name} cpu {peer['share']:>5}: {peer['steps']:>4} steps a round, idle {peer['idle']:.0%}, "
-                      f"averaged {peer['averaged_of_trained']:.0%} of its tokens")
-            figures.append(figure("unequal", every["tokens_per_second"], alone["tokens_per_second"], spread=spread,
-                                  round_length=length, rounds=args.rounds, peers=every["peers"],
+                      f"averaged {peer['averaged_of_trained']:.0%} of its tokens", flush=True)
+            figures.append(figure("unequal", every["tokens_per_second"],
+                                  alone["tokens_per_second"] if alone else every["tokens_per_second"], spread=spread,
+                                  round_length=length, rounds=args.rounds, per_peer=every["peers"],
                                   identical=every["identical"]))
     save(figures)
     return 0
