@@ -331,7 +331,9 @@ def run_demo(args) -> int:
     print(f"demo: 1 bootstrap + {args.peers} peers, {args.rounds} outer rounds of H={cfg.outer.inner_steps} inner "
           f"steps, config {args.config or 'tiny-cpu'}; logs in {out}/", flush=True)
     try:
-        with _DemoSwarm(args, cfg, out) as swarm:
+        # absolute: the swarm's processes run inside --out (LocalSwarm), so a relative --out handed to them as their
+        # log and checkpoint directories would be read inside itself (runs/demo/runs/demo/peer-0.jsonl)
+        with _DemoSwarm(args, cfg, out.absolute()) as swarm:
             swarm.start(homes=args.peers + sum(a.count for a in actions if a.action == "join"))  # joiners too
             failed = _follow(swarm, actions, _Progress(args.peers, args.rounds))
     except Interrupted:
