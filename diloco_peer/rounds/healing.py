@@ -35,6 +35,9 @@ from ..training.trainer import Trainer
 
 logger = logging.getLogger("diloco_peer")
 
+LIFE_HEARTBEATS = 4
+"""Heartbeats a record of a peer that died still counts: it expires after 3, and a gate counts it one more
+(``SwarmProgress.swarm_records``)."""
 RETRIES_WHEN_THE_SWARM_MOVED_ON = 3
 """Syncs again in a row when the swarm stepped while we downloaded (each takes the rounds' updates, not the whole
 state, where the donors logged them: ``averaging/round_log.py``)."""
@@ -79,8 +82,8 @@ class Healing:
     async def after_failed_round(self, epoch: int) -> bool:
         """Our round ``epoch`` ended without an average to step with (or off the swarm's weights): take the state the
         other peers end it with, if it is not ours. True if we did. A peer that died mid-round stops counting when
-        its record expires, after 3 heartbeats."""
-        records = await self.round_end(epoch, extra=3 * self.cfg.heartbeat, ready_only=True)
+        its record stops counting, after 4 heartbeats (``LIFE_HEARTBEATS``)."""
+        records = await self.round_end(epoch, extra=LIFE_HEARTBEATS * self.cfg.heartbeat, ready_only=True)
         own = self.progress.record.peer_id
         return await self.catch_up([r for r in records if r.peer_id != own], sending=True)
 
@@ -89,8 +92,9 @@ class Healing:
         group held only some of the round's peers): once the others have stepped, take the state most of them hold,
         ours as it is now included, if it is not ours. True if we did."""
         # every peer that averaged this round (ready at its epoch until it steps), one that died mid-round until
-        # its record expires (3 heartbeats)
-        records = await self.round_end(epoch, extra=3 * self.cfg.heartbeat, ready_only=True, everyone=True)
+        # its record stops counting (``LIFE_HEARTBEATS``)
+        records = await self.round_end(epoch, extra=LIFE_HEARTBEATS * self.cfg.heartbeat, ready_only=True,
+                                       everyone=True)
         own = self.progress.record.peer_id
         records = [r for r in records if r.peer_id != own]
         records.append(self.progress.record.copy(update={"epoch": self.outer.epoch,

@@ -3,8 +3,8 @@
 Each peer publishes a small record under ``{run_id}_progress``, in a subkey that carries its RSA public
 key and a signature (hivemind's ``RSASignatureValidator``): nobody can write or delete another peer's
 record. A ``SchemaValidator`` rejects records of the wrong shape. Records are republished every
-``heartbeat`` seconds and expire after three heartbeats, so a peer that vanishes drops out on its own;
-a peer that leaves cleanly withdraws its record at once.
+``heartbeat`` seconds and expire after three heartbeats (a gate counts them one more: ``swarm_records``), so a
+peer that vanishes drops out on its own; a peer that leaves cleanly withdraws its record at once.
 
 The daemon uses the records to start a round only when the peers of its epoch are ready: the first
 round waits for ``min_peers`` (so the swarm does not split into solo learners while it starts), later
@@ -190,8 +190,10 @@ class SwarmProgress:
 
         A record counts until it expires, is withdrawn, or a later one replaces it, whether or not the last read
         returned it: a read that missed it (DHT nodes that did not answer in time, a starved DHT process) would
-        otherwise make the peer vanish for a moment, and a gate that saw nobody else would step alone."""
-        now = get_dht_time()
+        otherwise make the peer vanish for a moment, and a gate that saw nobody else would step alone. It counts
+        one heartbeat past its expiration too: under load a heartbeat's store comes late (12 peers on 2 cores), the
+        peer vanished from the others' gates, and a gate that counted 7 of 12 formed a group of 7."""
+        now = get_dht_time() - self.heartbeat
         entries = await progress_store.fetch_progress_entries(self.dht, self.run_id)
         for subkey, (record, expiration) in entries.items():
             if expiration >= self._entries.get(subkey, (None, -1.0))[1]:
