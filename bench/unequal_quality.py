@@ -70,7 +70,9 @@ def main() -> int:
         speeds = parse_spread(spread)
         if len(speeds) != args.replicas:
             raise SystemExit(f"spread {spread} has {len(speeds)} speeds for --replicas {args.replicas}")
-        per_round = sum(steps_in_round(args.H, v) for v in speeds)
+        cfg = load_config(None, base)
+        tokens_per_step = cfg.inner.batch_size * cfg.inner.grad_accum * cfg.data.seq_len
+        per_round = sum(steps_in_round(args.H, v) for v in speeds) * tokens_per_step  # tokens a round
         run_rounds = rounds if reference is None else math.ceil(reference["tokens"] / per_round) + 1
         cfg = load_config(None, [*base, f"inner.total_steps={run_rounds * args.H}"])
         started = time.perf_counter()
