@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..config import ConfigError, PeerConfig, load_config
+from ..config import DEFAULT_CONFIG, ConfigError, PeerConfig, load_config
 from ..lifecycle.reaper import Reaper
 from ..observe.events import EventFollower, read_events
 from ..observe.report import format_table, plot_losses, summarize
@@ -201,8 +201,10 @@ class _DemoSwarm:
                 f"run.max_rounds={args.rounds}", f"checkpoint.dir={json.dumps(str(out / 'checkpoints'))}"]
         if args.metrics_port_base:
             sets.append(f"metrics.port={args.metrics_port_base + 1 + index}")
+        # the demo's config, named: a peer then looks for its owner's config record 5 s, not 30 s (32 peers starting
+        # on 2 cores read it later than that, and left)
         self.procs[name] = self.swarm.start_peer(name, *sets, netns=self._where(index),
-                                                 args=["--config", args.config] if args.config else [])
+                                                 args=["--config", args.config or DEFAULT_CONFIG])
         self.logs[name] = out / f"{name}.jsonl"  # (run.log_dir: the swarm's directory, --out)
         self.followers.append(EventFollower(self.logs[name]))
 
