@@ -111,17 +111,6 @@ def cli_expected(variable: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.light
-def test_unreachable_bootstrap_names_the_address():
-    before = orphaned_p2pd_pids()  # (other tests' daemons may start meanwhile: only one left behind counts)
-    result = run_cli("join", GOOD_ADDR, "--set", "swarm.startup_timeout=10", "--set", "swarm.join_timeout=0")
-    assert result.returncode == cli.EXIT_UNREACHABLE
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and GOOD_ADDR in lines[0] and "could not reach" in lines[0]
-    assert orphaned_p2pd_pids() <= before, "a failed start must not leave a p2pd daemon behind"
-
-
-@pytest.mark.slow
-@pytest.mark.light
 def test_status_of_an_unreachable_swarm_exits_3_at_once():
     before = orphaned_p2pd_pids()
     result = run_cli("status", GOOD_ADDR, "--wait", "1")
@@ -161,8 +150,29 @@ def test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs(l
     assert not marker.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.light
-def test_bootstrap_prints_join_line_and_keeps_identity(local_swarm):
+def test_unreachable_bootstrap_is_retried_with_backoff_then_given_up_in_one_line_naming_it():
+    """Every try fails the same way (join_timeout=0 stops after the first: the admission test's outsider), and no
+    failed try leaves a p2pd daemon behind."""
+    before = orphaned_p2pd_pids()  # (other tests' daemons may start meanwhile: only one left behind counts)
+    started = time.monotonic()
+    # 12 s: room for two retries (after 2 s and 4 s) even where starting the DHT takes seconds (a loaded machine)
+    result = run_cli("join", GOOD_ADDR, "--set", "swarm.startup_timeout=10", "--set", "swarm.join_timeout=12")
+    assert result.returncode == cli.EXIT_UNREACHABLE
+    assert len(re.findall(r"retrying in \d+s", result.stdout)) >= 2, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and GOOD_ADDR in lines[0] and "could not reach" in lines[0], lines
+    assert "gave up after swarm.join_timeout=12s" in lines[0]
+    assert 12 <= time.monotonic() - started < 60
+    assert orphaned_p2pd_pids() <= before, "a failed start must not leave a p2pd daemon behind"
+
+
+@pytest.mark.light
+def test_a_bootstrap_keeps_its_identity_and_a_peer_started_before_it_joins_once_it_is_up(local_swarm):
+    """keygen makes an identity (and never overwrites one); a bootstrap started with it prints a pasteable join line
+    and writes its address for compose's peers. A peer started while it is down keeps retrying, and trains as soon as
+    the bootstrap is back: same identity, same port, the same address."""
     key = local_swarm.workdir / "keys" / "boot.key"
     made = run_cli("keygen", str(key))
     assert made.returncode == 0, made.stderr
@@ -170,54 +180,37 @@ def test_bootstrap_prints_join_line_and_keeps_identity(local_swarm):
     assert run_cli("keygen", str(key)).returncode == 2  # never overwrites an identity by accident
     peer_ids = [re.search(r"peer id (\w+)", made.stdout).group(1)]
     address_file = local_swarm.workdir / "shared" / "bootstrap.addr"  # what compose's peers read
-    for attempt in range(2):
-        proc = local_swarm.spawn(["bootstrap", "--identity", str(key), "--listen", "/ip4/127.0.0.1/tcp/0",
-                                  "--address-file", str(address_file)], f"boot{attempt}.log")
-        line = wait_for_line(local_swarm.workdir / f"boot{attempt}.log", "diloco-peer join ", proc)
-        match = re.fullmatch(r"diloco-peer join (/ip4/127\.0\.0\.1/tcp/\d+/p2p/(\w+))", line)
-        assert match, line
-        assert address_file.read_text() == match.group(1) + "\n"
-        peer_ids.append(match.group(2))
-        proc.terminate()
-        assert proc.wait(timeout=20) == 0
-    assert peer_ids[0] == peer_ids[1] == peer_ids[2]  # keygen's peer id, kept across restarts
-
-
-@pytest.mark.slow
-@pytest.mark.light
-def test_unreachable_bootstrap_is_retried_with_backoff_then_given_up():
-    started = time.monotonic()
-    # 12 s: room for two retries (after 2 s and 4 s) even where starting the DHT takes seconds (a loaded machine)
-    result = run_cli("join", GOOD_ADDR, "--set", "swarm.join_timeout=12")
-    assert result.returncode == cli.EXIT_UNREACHABLE
-    assert len(re.findall(r"retrying in \d+s", result.stdout)) >= 2, result.stdout
-    assert "gave up after swarm.join_timeout=12s" in result.stderr and GOOD_ADDR in result.stderr
-    assert 12 <= time.monotonic() - started < 60
-
-
-@pytest.mark.light
-def test_a_peer_started_before_its_bootstrap_joins_once_it_is_up(local_swarm):
-    """Bootstrap down at start: the peer keeps retrying and trains as soon as the bootstrap comes up."""
-    key = local_swarm.workdir / "boot.key"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    listen = ["bootstrap", "--identity", str(key), "--listen", f"/ip4/127.0.0.1/tcp/{port}"]
-    boot = local_swarm.spawn(listen, "boot0.log")  # first run: creates the identity, tells us the address
-    address = wait_for_line(local_swarm.workdir / "boot0.log", "diloco-peer join ", boot).split()[2]
-    boot.terminate()
-    assert boot.wait(timeout=20) == 0
 
-    local_swarm.address = address
+    def boot(attempt: int) -> tuple[subprocess.Popen, str]:
+        proc = local_swarm.spawn(["bootstrap", "--identity", str(key), "--listen", f"/ip4/127.0.0.1/tcp/{port}",
+                                  "--address-file", str(address_file)], f"boot{attempt}.log")
+        line = wait_for_line(local_swarm.workdir / f"boot{attempt}.log", "diloco-peer join ", proc)
+        match = re.fullmatch(rf"diloco-peer join (/ip4/127\.0\.0\.1/tcp/{port}/p2p/(\w+))", line)
+        assert match, line
+        assert address_file.read_text() == match.group(1) + "\n"
+        peer_ids.append(match.group(2))
+        return proc, match.group(1)
+
+    first, address = boot(0)
+    first.terminate()
+    assert first.wait(timeout=20) == 0
+    local_swarm.address = address  # bootstrap down at the peer's start: it keeps retrying
     peer = local_swarm.start_peer("early", "swarm.join_timeout=120", "averaging.min_peers=1", "run.max_rounds=1")
     deadline = time.monotonic() + 60
     while "retrying in" not in (local_swarm.workdir / "early.log").read_text():
         assert time.monotonic() < deadline and peer.poll() is None
         time.sleep(0.2)
-    boot = local_swarm.spawn(listen, "boot1.log")
+    second, again = boot(1)
+    assert again == address
+    assert peer_ids[0] == peer_ids[1] == peer_ids[2]  # keygen's peer id, kept across restarts
     assert peer.wait(timeout=120) == 0, (local_swarm.workdir / "early.log").read_text()
     rounds = [json.loads(line) for line in (local_swarm.workdir / "early.jsonl").read_text().splitlines()]
     assert [e["round"] for e in rounds if e["event"] == "round"] == [1]
+    second.terminate()
+    assert second.wait(timeout=20) == 0
 
 
 def test_simulate_writes_results_and_plot(tmp_path):

@@ -109,67 +109,58 @@ class Demo:
         self.proc.wait()
 
 
+def _demo_tag(demo: Demo) -> str:
+    """The names of a ``--nat`` demo's namespaces begin with this (netbed.EmulatedInternet's names for its internet)."""
+    return f"dnat{demo.proc.pid % 100000}-"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, nat", [(signal.SIGTERM, False), (signal.SIGTERM, True)], ids=["SIGTERM", "SIGTERM-nat"])
-def test_a_signal_to_the_demo_stops_its_whole_swarm_then_exits_130(tmp_path, sig, nat):
+@pytest.mark.parametrize("nat", [False, True], ids=["loopback", "nat"])
+def test_a_sigterm_stops_a_demos_whole_swarm_then_exits_130_and_a_sigkill_takes_it_along(tmp_path, nat):
+    """Two demos side by side, mid-training (both peers have averaged a round): one is SIGKILLed, and every process of
+    its tree (and, with ``--nat``, every namespace) and its shared memory are gone within seconds; then the other gets
+    SIGTERM, stops its whole swarm and exits 130 within its bound, nothing of it left when it has exited. (Side by
+    side: one swarm start-up's wait for both; the kill is checked to its end before the SIGTERM is sent.)"""
     if nat:
         require_namespaces()
-    demo = Demo(tmp_path, *(["--nat", *[a for item in RELAYED for a in ("--set", item)]] if nat else []))
-    tag = f"dnat{demo.proc.pid % 100000}-"  # netbed.EmulatedInternet's names for the demo's internet
+    extra = ["--nat", *[a for item in RELAYED for a in ("--set", item)]] if nat else []
+    (tmp_path / "kill").mkdir()
+    (tmp_path / "term").mkdir()
+    killed, termed = Demo(tmp_path / "kill", *extra), Demo(tmp_path / "term", *extra)
+    tags = [_demo_tag(demo) for demo in (killed, termed)]
     try:
-        tree = demo.record_tree_mid_training()
-        os.kill(demo.proc.pid, sig)
+        killed_tree = killed.record_tree_mid_training()
+        termed_tree = termed.record_tree_mid_training()
+        if nat:
+            assert len(namespaces(tags[0])) == 5, namespaces(tags[0])  # public, and a router and a home per peer
+        killed.proc.kill()
+        killed.proc.wait()
+        wait_until(lambda: not alive(killed_tree) and not (nat and namespaces(tags[0])) and not segments(killed_tree),
+                   "end of the SIGKILLed demo's processes, namespaces and shared memory", timeout=GONE_AFTER_SIGKILL)
+
+        os.kill(termed.proc.pid, signal.SIGTERM)
         sent = time.monotonic()
-        code = demo.proc.wait(timeout=GRACE + STOP_MARGIN + 10)
+        code = termed.proc.wait(timeout=GRACE + STOP_MARGIN + 10)
         took = time.monotonic() - sent
-        assert code == EXIT_INTERRUPTED, demo.log.read_text()[-3000:]
+        assert code == EXIT_INTERRUPTED, termed.log.read_text()[-3000:]
         assert took < GRACE + STOP_MARGIN + 5, took
-        assert not alive(tree), describe(alive(tree))  # gone before the demo exited, not merely soon after
-        assert not namespaces(tag), namespaces(tag)
-        assert not segments(tree), segments(tree)
-        assert f"demo: interrupted ({sig.name}), stopping the swarm" in demo.log.read_text()
+        assert not alive(termed_tree), describe(alive(termed_tree))  # gone before the demo exited, not only soon after
+        assert not namespaces(tags[1]), namespaces(tags[1])
+        assert not segments(termed_tree), segments(termed_tree)
+        assert "demo: interrupted (SIGTERM), stopping the swarm" in termed.log.read_text()
         if nat:  # and before the stop: each peer behind its own router, reached through the relay, averaging
-            assert "each peer behind its own NAT router" in demo.log.read_text()
-            events = [list(read_events(demo.out / f"peer-{i}.jsonl")) for i in (0, 1)]
+            assert "each peer behind its own NAT router" in termed.log.read_text()
+            events = [list(read_events(termed.out / f"peer-{i}.jsonl")) for i in (0, 1)]
             assert all([e["mode"] for e in log if e["event"] == "reachability"][:1] == ["relayed"] for log in events)
             first = [next(e for e in log if e["event"] == "round") for log in events]
             assert [(r["round"], r["outcome"], r["group_size"]) for r in first] == [(1, "averaged", 2)] * 2, first
             assert first[0]["param_sha256"] == first[1]["param_sha256"]
     finally:
-        demo.cleanup()
-        for name in namespaces(tag):
-            remove_namespace(name)
-
-
-@pytest.mark.slow
-def test_a_sigkilled_demo_takes_its_whole_swarm_along(tmp_path):
-    demo = Demo(tmp_path)
-    try:
-        tree = demo.record_tree_mid_training()
-        demo.proc.kill()
-        demo.proc.wait()
-        wait_until(lambda: not alive(tree) and not segments(tree), "end of every process of the SIGKILLed demo's "
-                   "tree, and of its shared memory", timeout=GONE_AFTER_SIGKILL)
-    finally:
-        demo.cleanup()
-
-
-@pytest.mark.slow
-def test_a_sigkilled_nat_demo_leaves_no_process_and_no_namespace(tmp_path):
-    require_namespaces()
-    demo = Demo(tmp_path, "--nat", *[a for item in RELAYED for a in ("--set", item)])
-    tag = f"dnat{demo.proc.pid % 100000}-"  # netbed.EmulatedInternet's names for the demo's internet
-    try:
-        tree = demo.record_tree_mid_training()
-        assert len(namespaces(tag)) == 5, namespaces(tag)  # public, and a router and a home per peer
-        demo.proc.kill()
-        demo.proc.wait()
-        wait_until(lambda: not alive(tree) and not namespaces(tag) and not segments(tree), "end of the SIGKILLed "
-                   "demo's processes, namespaces and shared memory", timeout=GONE_AFTER_SIGKILL)
-    finally:
-        demo.cleanup()
-        for name in namespaces(tag):
-            remove_namespace(name)
+        for demo in (killed, termed):
+            demo.cleanup()
+        for tag in tags:
+            for name in namespaces(tag):
+                remove_namespace(name)
 
 
 def test_the_reaper_kills_what_it_watches_and_deletes_namespaces_when_its_parent_dies(tmp_path):

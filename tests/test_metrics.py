@@ -1,11 +1,7 @@
 """Per-peer Prometheus metrics: fed by the event log, named by Prometheus' conventions, served over HTTP."""
 
-import json
 import socket
 import subprocess
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 from conftest import diloco_cmd, require_tool
@@ -123,50 +119,8 @@ def test_metric_names_follow_prometheus_conventions():
     assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-@pytest.mark.slow
-def test_running_peers_serve_metrics_and_health(local_swarm):
-    local_swarm.start_bootstrap()
-    ports = [_free_port(), _free_port()]
-    sets = ["averaging.min_peers=2", "run.max_rounds=0", "outer.inner_steps=5"]
-    procs = [local_swarm.start_peer(f"p{i}", *sets, f"metrics.port={port}") for i, port in enumerate(ports)]
-    base = f"http://127.0.0.1:{ports[0]}"
-    deadline = time.monotonic() + 180
-    while not sum(e["event"] == "round" for e in local_swarm.events("p0")) >= 2:
-        assert time.monotonic() < deadline and procs[0].poll() is None, (local_swarm.workdir / "p0.log").read_text()
-        time.sleep(0.5)
-    code, body = _get(f"{base}/healthz")
-    assert code == 200 and json.loads(body)["status"] == "training", body
-    code, text = _get(f"{base}/metrics")
-    assert code == 200
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in text_string_to_metric_families(text) for s in f.samples}
-    rounds = [e for e in local_swarm.events("p0") if e["event"] == "round"]
-    averaged = sum(e["outcome"] == "averaged" for e in rounds)
-    assert samples[("diloco_outer_rounds_total", (("outcome", "averaged"),))] >= averaged >= 1
-    assert samples[("diloco_outer_epoch", ())] >= 2 and samples[("diloco_tokens_total", ())] > 0
-    assert samples[("diloco_sent_bytes_total", (("kind", "pseudo_gradient"),))] > 0
-    assert samples[("diloco_phase_seconds_total", (("phase", "compute"),))] > 0
-    assert samples[("diloco_last_outer_step_timestamp_seconds", ())] > time.time() - 120
-    assert _get(f"{base}/nothing-here")[0] == 404
-    for proc in procs:
-        proc.terminate()
-    assert all(proc.wait(timeout=60) == 0 for proc in procs)
-    with pytest.raises(OSError):  # the server went away with the peer
-        urllib.request.urlopen(f"{base}/healthz", timeout=2)
+# A running peer's /healthz and /metrics over HTTP, and its server gone after it left: in
+# test_dashboards.py's real swarm, which serves the dashboards' Prometheus too (one swarm for both).
 
 
 def test_a_busy_metrics_port_is_a_one_line_error():

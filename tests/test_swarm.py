@@ -19,16 +19,36 @@ from diloco_peer.training.trainer import Trainer
 pytestmark = pytest.mark.slow
 
 
-def test_first_round_waits_for_min_peers(local_swarm):
-    """A fast early peer must not take a solo step while the second peer is still starting (OpenDiLoCo does)."""
+def _finished_inner_steps(swarm, name: str, proc, steps: int) -> None:
+    deadline = time.monotonic() + 120
+    while not any(e["event"] == "progress" and e["inner_step"] == steps for e in swarm.events(name)):
+        assert time.monotonic() < deadline and proc.poll() is None, f"{name} never finished its inner steps"
+        time.sleep(0.2)
+
+
+def test_first_round_waits_for_min_peers_and_a_peer_waiting_alone_leaves_on_sigterm(local_swarm):
+    """A fast early peer must not take a solo step while the second peer is still starting (OpenDiLoCo does). And a
+    peer waiting at that gate for partners that never come (another run: min_peers=3, alone) leaves promptly on
+    SIGTERM: exit 0, nothing left behind."""
+    before = orphaned_p2pd_pids()
     local_swarm.start_bootstrap()
     sets = ["averaging.min_peers=2", "run.max_rounds=2", "outer.inner_steps=5", "data.num_shards=2"]
     early = local_swarm.start_peer("early", *sets, "data.shard=0")
-    deadline = time.monotonic() + 120
-    while not any(e["event"] == "progress" and e["inner_step"] == 5 for e in local_swarm.events("early")):
-        assert time.monotonic() < deadline and early.poll() is None, "the early peer never finished its inner steps"
-        time.sleep(0.2)
-    time.sleep(4)  # the early peer now waits at the gate, alone
+    waiting = local_swarm.start_peer("waiting", "run.run_id=alone", "averaging.min_peers=3", "outer.inner_steps=3",
+                                     "data.shard=0")
+    _finished_inner_steps(local_swarm, "early", early, 5)
+    _finished_inner_steps(local_swarm, "waiting", waiting, 3)
+    time.sleep(1)
+    sent = time.monotonic()
+    waiting.terminate()
+    assert waiting.wait(timeout=30) == 0
+    assert time.monotonic() - sent < 15
+    stop = [e for e in local_swarm.events("waiting") if e["event"] == "stop"]
+    assert stop and stop[0]["reason"] == "signal" and stop[0]["epoch"] == 0
+    leftovers = orphaned_p2pd_pids() - before  # (the in-process tests beside this one start daemons of their own)
+    assert not leftovers, f"p2pd processes left behind by the peer: {leftovers}"
+
+    time.sleep(max(0.0, 4 - (time.monotonic() - sent)))  # the early peer now waits at the gate, alone (4 s or more)
     assert not any(e["event"] == "round" for e in local_swarm.events("early"))
     late = local_swarm.start_peer("late", *sets, "data.shard=1")
     assert early.wait(timeout=180) == 0 and late.wait(timeout=60) == 0
@@ -60,26 +80,6 @@ def test_single_peer_with_unit_outer_lr_equals_plain_adamw(tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     rounds = [json.loads(line) for line in (tmp_path / "solo.jsonl").read_text().splitlines()]
     assert [r["outcome"] for r in rounds if r["event"] == "round"] == ["solo"] * steps
-
-
-def test_sigterm_at_the_gate_leaves_cleanly(local_swarm):
-    """A peer waiting for partners that never come leaves promptly on SIGTERM: exit 0, nothing left behind."""
-    before = orphaned_p2pd_pids()
-    local_swarm.start_bootstrap()
-    peer = local_swarm.start_peer("waiting", "averaging.min_peers=3", "outer.inner_steps=3", "data.shard=0")
-    deadline = time.monotonic() + 120
-    while not any(e["event"] == "progress" and e["inner_step"] == 3 for e in local_swarm.events("waiting")):
-        assert time.monotonic() < deadline and peer.poll() is None, "the peer never finished its inner steps"
-        time.sleep(0.2)
-    time.sleep(1)
-    sent = time.monotonic()
-    peer.terminate()
-    assert peer.wait(timeout=30) == 0
-    assert time.monotonic() - sent < 15
-    stop = [e for e in local_swarm.events("waiting") if e["event"] == "stop"]
-    assert stop and stop[0]["reason"] == "signal" and stop[0]["epoch"] == 0
-    leftovers = orphaned_p2pd_pids() - before  # (the in-process tests beside this one start daemons of their own)
-    assert not leftovers, f"p2pd processes left behind by the peer: {leftovers}"
 
 
 def test_failed_round_falls_back_to_a_solo_step(local_swarm):
