@@ -14,7 +14,7 @@ def test_a_dozen_peers_average_every_round_in_one_group_with_identical_replicas(
     # the first round waits for all of them (they take a while to start, twelve on two cores); short rounds, one
     # eval batch: the rounds are what is tested, not the training; tiny-cpu's heartbeat (the tests' 1 s ones are
     # too short for twelve peers on two cores: their records expired before their next heartbeat's store)
-    sets = [f"run.max_rounds={ROUNDS}", f"averaging.min_peers={PEERS}", "outer.inner_steps=5", "checkpoint.dir=''",
+    sets = [f"run.max_rounds={ROUNDS}", f"averaging.min_peers={PEERS}", "outer.inner_steps=5", "outer.round_length=time", "checkpoint.dir=''",
             "averaging.heartbeat=2.0", "data.eval_batches=1"]
     names = [f"p{i:02d}" for i in range(PEERS)]
     procs = {name: local_swarm.start_peer(name, *sets) for name in names}

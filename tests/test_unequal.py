@@ -30,8 +30,8 @@ def test_a_throttled_peer_trains_fewer_steps_is_averaged_every_round_and_nobody_
     require_cgroups()
     local_swarm.start_bootstrap()
     # the first round waits for all three: the slow peer takes a while to start, and the fast ones would be gone
-    sets = [f"run.max_rounds={ROUNDS}", "outer.inner_steps=20", "averaging.min_peers=3", "checkpoint.dir=''",
-            "data.eval_batches=1"]
+    sets = [f"run.max_rounds={ROUNDS}", "outer.inner_steps=20", "outer.round_length=time", "averaging.min_peers=3",
+            "checkpoint.dir=''", "data.eval_batches=1"]
     with cpu_quota("test-unequal-slow", 0.2) as group:
         peers = {"fast1": local_swarm.start_peer("fast1", *sets),
                  "fast2": local_swarm.start_peer("fast2", *sets),

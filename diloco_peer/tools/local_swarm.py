@@ -3,7 +3,7 @@
     with LocalSwarm(Path("runs/try"), sets=["outer.inner_steps=10", "run.threads=1"]) as swarm:
         swarm.start_bootstrap("--report-every", "10")
         a = swarm.start_peer("a", "run.max_rounds=3")
-        b = swarm.start_peer("b", "run.max_rounds=3", env={"DILOCO_PEER_FAULT": "refuse_round:2"})
+        b = swarm.start_peer("b", "run.max_rounds=3", "outer.inner_steps=20")
         swarm.wait_for("b's 3 rounds", lambda: len(swarm.events("b", "round")) >= 3, timeout=300)
     # here every process it started is gone: the peers, their DHT, averager and p2pd processes (torch's
     # shared-memory managers end on their own moments later; reap(until_gone=True) waits for them too)
@@ -156,7 +156,7 @@ class LocalSwarm:
         """Start ``diloco-peer join`` as peer ``name``, with the swarm's ``sets``, then ``run.log_dir=workdir``,
         then ``sets`` (a later override wins).
 
-        :param env: variables for this peer only (e.g. ``{"DILOCO_PEER_FAULT": "crash_in_allreduce:3"}``)
+        :param env: variables for this peer only (e.g. the fault-injection variable of ``config/faults.py``)
         :param netns: run it inside this network namespace; its ``swarm.host_maddrs`` are the caller's to set
         :param wrap: a command to run it under (e.g. ``in_cgroup(path)``: a slower volunteer)
         :param program: what stands for ``diloco-peer`` (see ``spawn``)
