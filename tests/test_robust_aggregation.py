@@ -494,3 +494,9 @@ def test_a_slower_member_reduces_a_smaller_span():
     assert paced_bandwidths([None, None, None], [0.1, None, 0.1]) == [None, None, None]
     # a member claiming to be very fast counts as the median: no bigger share
     assert paced_bandwidths([None, None, None], [1e-9, 0.1, 0.1]) == [1.0, 1.0, 1.0]
+    # a pair: either member is the median, and one that claimed fast steps would reduce nearly all: unchanged
+    assert paced_bandwidths([None, None], [1e-9, 0.1]) == [None, None]
+    # as the averager splits (declared bandwidths capped, then paced): half of the group slow still reduces less
+    # (capped after pacing, the cap, the lower median, was the slow members' and made every share equal again)
+    assert paced_bandwidths(capped_bandwidths([10.0, 10.0, 10.0, 10.0]), [0.1, 0.1, 0.5, 0.5]) == [10.0, 10.0, 2.0, 2.0]
+    assert paced_bandwidths(capped_bandwidths([1e12, 10.0, 10.0]), [0.1, 0.1, 0.5]) == [10.0, 10.0, 2.0]

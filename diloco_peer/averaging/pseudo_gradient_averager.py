@@ -302,8 +302,9 @@ class PseudoGradientAverager(DecentralizedAverager):
         reducing = [m != AveragingMode.CLIENT for m in modes]
         if any(r and not x for r, x in zip(reducing, relayed)):
             reducing = [r and not x for r, x in zip(reducing, relayed)]
-        capped = capped_bandwidths(paced_bandwidths([b if r else 0.0 for b, r in zip(bandwidths, reducing)], paces))
-        return load_balance_peers(self.total_size, capped, self.allreduce_kwargs["min_vector_size"])
+        # capped as declared, then paced: capping the paced ones at their median undid the pace where half were slow
+        paced = paced_bandwidths(capped_bandwidths([b if r else 0.0 for b, r in zip(bandwidths, reducing)]), paces)
+        return load_balance_peers(self.total_size, paced, self.allreduce_kwargs["min_vector_size"])
 
     def _member_limits(self, group_info) -> Limits:
         """Our checks of this group's averages: ``Limits.for_member``, by the tokens each member gathered."""

@@ -255,14 +255,19 @@ def capped_bandwidths(bandwidths: list[float | None]) -> list[float | None]:
     return [min(b, cap) if b is not None and b > 0 else b for b in bandwidths]
 
 
+MIN_PACED_GROUP = 3
+"""Members whose pace must be known before it shapes the split: in a pair the median member is either one, and a
+member that claimed fast steps would make the other reduce almost nothing (and itself almost everything)."""
+
+
 def paced_bandwidths(bandwidths: list[float | None], step_seconds: list[float | None]) -> list[float | None]:
-    """The bandwidths the vector is split by, each member's scaled down by how much slower than the group's median
-    member it trains (its ``step_seconds``, gathered): a reducer answers its span at its own pace, and a peer held to
-    a sixth of a core reducing a quarter of the vector held every round's all-reduce (1.2 s where 0.27 s without it).
-    Faster than the median counts as the median (a member claiming speed gains no share); no pace gathered, or all
+    """The bandwidths the vector is split by (``capped_bandwidths`` first), each member's scaled down by how much
+    slower than the group's median member it trains (its ``step_seconds``, gathered): a reducer answers its span at
+    its own pace, so a slow one reducing an equal span holds every member's all-reduce. Faster than the median counts
+    as the median (a member claiming speed gains no share); fewer than ``MIN_PACED_GROUP`` paces gathered, or all
     alike: unchanged. Undeclared bandwidths count as the declared ones' mean (hivemind's rule), or 1."""
     known = [s for s in step_seconds if s is not None and s > 0]
-    if len(known) < 2 or len(set(known)) == 1:
+    if len(known) < MIN_PACED_GROUP or len(set(known)) == 1:
         return list(bandwidths)
     median = statistics.median_low(known)
     declared = [b for b in bandwidths if b is not None and b > 0]
