@@ -22,7 +22,7 @@ from ..observe.events import EventLog
 from ..state.state_sync import StateSync
 from ..swarm.progress import ALL_READY, ReadyDecision, SwarmProgress
 from ..swarm.progress_record import ProgressRecord
-from ..training.outer_optimizer import OuterOptimizer
+from ..training.outer_optimizer import OuterOptimizer, scaled
 from ..training.trainer import ComputeThread
 from .healing import Healing
 from .outcome import Exchange
@@ -65,14 +65,19 @@ class RoundExchange:
         """The exchange launched last, until the round's end collects it."""
         self.sent: list[torch.Tensor] = []
         """The pseudo-gradient ``pending`` averages (a solo step applies it if the all-reduce fails)."""
+        self.scale = 1.0
+        """What ``sent`` was multiplied by (``outer.contribution``)."""
         self.waited = 0.0
         """Seconds the last ``collect`` waited for its exchange to end."""
         self.records: list[ProgressRecord] = []
         """The swarm's records as the last gate saw them (the pace of rounds bounded by time is read from them)."""
 
-    def launch(self, pseudo_gradient: list[torch.Tensor], tokens: int, inner_step: int) -> asyncio.Task:
-        """Start exchanging ``pseudo_gradient`` (``tokens`` behind it) for our outer epoch; the task."""
+    def launch(self, pseudo_gradient: list[torch.Tensor], tokens: int, inner_step: int, scale: float = 1.0
+               ) -> asyncio.Task:
+        """Start exchanging ``pseudo_gradient`` (``tokens`` behind it, already multiplied by ``scale``:
+        ``outer.contribution``) for our outer epoch; the task."""
         self.sent = pseudo_gradient
+        self.scale = scale
         self.pending = asyncio.create_task(self._exchange(pseudo_gradient, tokens, self.outer.epoch, inner_step))
         return self.pending
 
@@ -94,8 +99,11 @@ class RoundExchange:
     async def own_pseudo_gradient(self) -> list[torch.Tensor]:
         """Our pseudo-gradient of the round being concluded, for a solo step (or an all-reduce after a failed
         download): as sent, or, where the averager writes the average over what we sent (``in_place``: blocking
-        rounds on a GPU, whose replica is untouched until the outer step), computed again from the replica."""
-        return await self.compute.run(self.outer.pseudo_gradient) if self.averager.in_place else self.sent
+        rounds on a GPU, whose replica is untouched until the outer step), computed again from the replica and scaled
+        as what was sent."""
+        if not self.averager.in_place:
+            return self.sent
+        return await self.compute.run(scaled, self.outer.pseudo_gradient, self.scale)
 
     async def _exchange(self, pseudo_gradient: list[torch.Tensor], tokens: int, epoch: int,
                         inner_step: int) -> Exchange:

@@ -29,7 +29,8 @@ from ..observe.events import EventLog
 from ..observe.inner_progress import InnerProgress
 from ..state.state_sync import StateSync
 from ..swarm.progress import SwarmProgress
-from ..training.outer_optimizer import OuterOptimizer, contribution_scale
+from ..swarm.progress_record import ProgressRecord
+from ..training.outer_optimizer import OuterOptimizer, contribution_scale, scaled
 from ..training.trainer import ComputeThread, Trainer
 from .arrival import EarlyAverage
 from .exchange import RoundExchange
@@ -72,6 +73,8 @@ class OuterRounds:
         self.outer_lr = outer_cfg.lr
         self.contribution = outer_cfg.contribution
         self.pace = Pace(outer_cfg.inner_steps, timed=outer_cfg.round_length == "time")
+        self.healed = False
+        """The round concluded last healed (took the others' state, or rechecked ours against theirs)."""
         """This peer's pace, and how long it trains in a round bounded by time."""
         self.name = name
         self.trainer = trainer
@@ -87,7 +90,7 @@ class OuterRounds:
         self.schedule = schedule_for(outer_cfg, EarlyAverage(outer, averaging.max_update_ratio, averager.faults))
         self.healing = Healing(averaging, self.schedule.lag, self.inner_steps, name, trainer=trainer, outer=outer,
                                averager=averager, progress=progress, sync=sync, events=events, should_stop=should_stop)
-        self.exchange = RoundExchange(averaging, self.schedule.lag, self._at_gate, name, too_slow=self.pace.too_slow,
+        self.exchange = RoundExchange(averaging, self.schedule.lag, self._at_gate, name, too_slow=self._too_slow,
                                       outer=outer, averager=averager, progress=progress, sync=sync,
                                       healing=self.healing, events=events, compute=compute, should_stop=should_stop)
 
@@ -155,22 +158,22 @@ class OuterRounds:
 
     def _observe(self, record: RoundRecord) -> None:
         """A round's work outside training and waiting goes into our record (published with the next store): rounds
-        that healed by a state sync or stepped alone after a failure measure the sync, not us."""
-        if record.outcome not in ("averaged", "solo"):
+        that healed (a state sync, or the wait to compare our state with the others') or failed measure those, not
+        us."""
+        if record.outcome not in ("averaged", "solo") or self.healed:
             return
         self.pace.ended(record.round_seconds, record.compute_seconds, self.exchange.waited)
         self.progress.record = self.progress.record.copy(update=self.pace.fields())
 
-    def launch(self, pseudo_gradient: list[torch.Tensor], inner: InnerResult) -> None:
-        """Start the exchange of the round just trained (the schedule concludes it, now or a round later), its
-        pseudo-gradient scaled as ``outer.contribution`` says for the steps behind it."""
+    async def launch(self, pseudo_gradient: Callable[[], list[torch.Tensor]], inner: InnerResult) -> None:
+        """Start the exchange of the round just trained (the schedule concludes it, now or a round later): the
+        pseudo-gradient ``pseudo_gradient()`` computes (on the compute thread, idle between rounds), scaled as
+        ``outer.contribution`` says for the steps behind it."""
         scale = contribution_scale(self.contribution, inner.steps, self.inner_steps)
-        if scale != 1.0:
-            for tensor in pseudo_gradient:
-                tensor.mul_(scale)
+        sent = await self.compute.run(scaled, pseudo_gradient, scale)
         self.pace.trained(inner.steps, inner.compute_seconds)  # our "ready" says it: the others budget with it
         self.progress.record = self.progress.record.copy(update=self.pace.fields())
-        task = self.exchange.launch(pseudo_gradient, inner.tokens, self.trainer.step)
+        task = self.exchange.launch(sent, inner.tokens, self.trainer.step, scale)
         if self.schedule.arrival is not None:
             self.schedule.arrival.watch(task)
 
@@ -186,8 +189,9 @@ class OuterRounds:
         verdict = decide(exchange, epoch, self.averaging.max_update_ratio, self.averager.faults)
         for warning in verdict.warnings:
             logger.warning(warning)
-        await self._apply(verdict, exchange.result, unsent, epoch)
-        if verdict.rechecks:
+        synced = await self._apply(verdict, exchange.result, unsent, epoch)
+        self.healed = synced or verdict.rechecks
+        if verdict.rechecks and not synced:
             # our weights may differ from the other peers' of the round: our step goes into our record now, if it is
             # not there yet (each peer waits for the others' before it compares), then the state most of them hold
             if (self.progress.record.epoch, self.progress.record.state_hash) != (self.outer.epoch,
@@ -199,18 +203,20 @@ class OuterRounds:
         return self._record(epoch, exchange, verdict, inner, eval_loss)
 
     async def _apply(self, verdict: Verdict, result: RoundResult, unsent: list[torch.Tensor] | None,
-                     epoch: int) -> None:
+                     epoch: int) -> bool:
         """The outer step with the group's average. Without one (or off the swarm's weights), first the state the
-        other peers end this round with, and only if they have none a solo step with our own pseudo-gradient."""
+        other peers end this round with, and only if they have none a solo step with our own pseudo-gradient.
+        Whether we took the others' state."""
         if verdict.withdraws:  # peers whose round failed too need not wait for us
             self.averager.round_failed()  # (it also hands back the average's memory: a download may follow)
             await self.progress.publish(ready=False)
         if verdict.seeks_swarm_state and await self.healing.after_failed_round(epoch):
             await self.schedule.after_sync(self, unsent)
-            return
+            return True
         update = result.averaged if verdict.steps_with_average else await self.exchange.own_pseudo_gradient()
         await self.compute.run(self._outer_step, update)
         await self.schedule.after_step(self, unsent)
+        return False
 
     def _outer_step(self, update: list[torch.Tensor]) -> None:
         with self.sync.lock:  # a peer downloading our state sees the state before or after, never between
@@ -223,6 +229,9 @@ class OuterRounds:
         average was in flight), so the peers' gates of that epoch wait for us (``round``)."""
         await self.progress.publish(epoch=self.outer.epoch, round=self.outer.epoch, ready=False,
                                     state_hash=self.sync.state_hash)
+
+    def _too_slow(self, record: ProgressRecord, records: list[ProgressRecord]) -> bool:
+        return self.pace.too_slow(record, records, own=self.progress.record.peer_id)
 
     async def _at_gate(self, records: list) -> tuple[bool, str]:
         return await self.schedule.at_gate(self, records)

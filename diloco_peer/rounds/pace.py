@@ -94,12 +94,13 @@ class Pace:
             return None
         return max(period - self.own_work(records, own), 0.0)
 
-    def too_slow(self, record: ProgressRecord, records: list[ProgressRecord]) -> bool:
+    def too_slow(self, record: ProgressRecord, records: list[ProgressRecord], own: str = "") -> bool:
         """Whether the peer of ``record`` cannot be ready in time for a round of the period ``records`` give: one inner
         step of it and its round's other work take longer than the whole round (it trains one step at least, and
         arrives late every time: a peer at 0.06 of a core took ~1.3 s a step and seconds for its eval and outer step,
-        in rounds of 3-5 s). The round gate does not wait for it; rounds of fixed H wait for everyone."""
-        period = self.period(records) if self.timed else None
+        in rounds of 3-5 s). The round gate does not wait for it; rounds of fixed H wait for everyone. ``own``: our
+        peer id (``period``)."""
+        period = self.period(records, own) if self.timed else None
         if period is None or record.step_seconds is None:
             return False
         return record.step_seconds + (record.work_seconds or 0.0) > period

@@ -42,7 +42,7 @@ class Blocking:
         inner = await r.train(r.outer.epoch)
         if r.should_stop():
             return None
-        r.launch(await r.compute.run(r.outer.pseudo_gradient), inner)
+        await r.launch(r.outer.pseudo_gradient, inner)
         return await r.conclude(inner, unsent=None)
 
     async def at_gate(self, r, records: list[ProgressRecord]) -> tuple[bool, str]:
@@ -88,7 +88,7 @@ class Overlapped:
             record = await r.conclude(inner, unsent)
             if record is not None:
                 record.overlap_wait_seconds = r.exchange.waited
-        r.launch([-d for d in unsent], inner)  # start - end, like ``outer - replica``
+        await r.launch(lambda: [-d for d in unsent], inner)  # start - end, like ``outer - replica``
         return record
 
     async def _first_round(self, r, unsent: list[torch.Tensor]) -> None:

@@ -22,8 +22,8 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 PERIOD_US = 10_000
 """The quota's period: 10 ms (the kernel's default is 100 ms). A slower device is slower all the time; with 100 ms
 periods a peer at 0.15 of a core ran 15 ms and then stood still 85 ms, and every message of its all-reduce waited
-for its next period (its rounds' all-reduce took 0.85 s where the others alone took 0.27 s). The quota is 1 ms at
-least (the kernel's floor): a period grows to keep the share where the share is below a tenth of a core."""
+for its next period (BENCHMARKS.md, "Unequal volunteers"). The quota is 1 ms at least (the kernel's floor): a
+period grows to keep the share where the share is below a tenth of a core."""
 MIN_QUOTA_US = 1_000
 
 
@@ -38,7 +38,7 @@ def available() -> str:
 
 @contextlib.contextmanager
 def cpu_quota(name: str, cores: float) -> Iterator[Path]:
-    """A cpu cgroup ``name`` limited to ``cores`` (e.g. 0.15: 15 ms of every 100 ms, on one core); its directory,
+    """A cpu cgroup ``name`` limited to ``cores`` (e.g. 0.15: 1.5 ms of every 10 ms, on one core); its directory,
     whose ``cgroup.procs`` a process writes its pid to (``local_swarm.in_cgroup``). Removed on exit."""
     if cores <= 0:
         raise ValueError(f"cores={cores}: give a positive share of a core, e.g. 0.15")
@@ -64,8 +64,9 @@ def cpu_quota(name: str, cores: float) -> Iterator[Path]:
 
 def _remove(group: Path, timeout: float = 15.0) -> None:
     """rmdir ``group`` once its processes have exited: the caller reaps them; what is still in it after ``timeout``
-    seconds (a caller that failed before it could) is killed, the group being ours."""
-    deadline = time.monotonic() + timeout
+    seconds (a caller that failed before it could) is killed, the group being ours; ``OSError`` if the group is
+    still busy ``timeout`` seconds after that."""
+    deadline, killed = time.monotonic() + timeout, False
     while True:
         try:
             group.rmdir()
@@ -74,8 +75,10 @@ def _remove(group: Path, timeout: float = 15.0) -> None:
             return
         except OSError:  # busy: a process is still in it
             if time.monotonic() >= deadline:
+                if killed:
+                    raise
                 _kill_members(group)
-                deadline = time.monotonic() + timeout
+                deadline, killed = time.monotonic() + timeout, True
             time.sleep(0.2)
 
 

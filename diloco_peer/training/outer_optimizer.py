@@ -289,3 +289,12 @@ def contribution_scale(contribution: str, steps: int, inner_steps: int) -> float
     if contribution not in CONTRIBUTIONS:
         raise ValueError(f"unknown contribution {contribution!r}: expected one of {CONTRIBUTIONS}")
     return inner_steps / max(steps, 1) if contribution == "per_step" else 1.0
+
+
+def scaled(pseudo_gradient: Callable[[], list[torch.Tensor]], scale: float) -> list[torch.Tensor]:
+    """``pseudo_gradient()`` multiplied in place by ``scale`` (``contribution_scale``)."""
+    tensors = pseudo_gradient()
+    if scale != 1.0:
+        for tensor in tensors:
+            tensor.mul_(scale)
+    return tensors
