@@ -46,10 +46,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 from results import figure, save  # noqa: E402
 
 from diloco_peer.observe.events import read_events  # noqa: E402
+from diloco_peer.rounds.outer_rounds import PROGRESS_EVENTS_PER_ROUND  # noqa: E402
 from diloco_peer.swarm.addresses import SwarmError  # noqa: E402
 from diloco_peer.tools.local_swarm import LocalSwarm  # noqa: E402
 
-CHUNKS = 5  # outer_round.PROGRESS_EVENTS_PER_ROUND: the daemon writes one progress event per H/5 steps
+CHUNKS = PROGRESS_EVENTS_PER_ROUND  # the daemon writes one progress event per H/CHUNKS steps
 
 
 def settings_list(args: argparse.Namespace, rounds: int) -> list[str]:

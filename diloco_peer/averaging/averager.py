@@ -288,10 +288,11 @@ class RoundAverager:
 
     def matchmaking_window(self, expected: int | None) -> float:
         """Seconds a group we lead gathers the ``expected`` peers the round gate saw (``averaging.matchmaking_time``;
-        longer for a larger group). The peers of a round learn that all are ready a poll and a DHT read apart: 16 tiny
-        peers on 2 cores opened their gates up to 5 s apart, and a leader that assembled after 3 s left the last two
-        to a group of their own (their replicas then differed). A complete group starts at once
-        (``start_when_complete``): the window only bounds the wait for a peer that does not come."""
+        longer for a larger group). The peers of a round learn that all are ready a poll and a DHT read apart, and in
+        a large swarm on a loaded machine their gates open seconds apart: a leader that assembled after one fixed
+        window left the last peers to a group of their own, whose replicas then differed (BENCHMARKS.md, "Many
+        peers"). A complete group starts at once (``start_when_complete``): the window only bounds the wait for a
+        peer that does not come."""
         return self.cfg.matchmaking_time * max(1.0, (expected or 0) / PEERS_PER_WINDOW)
 
     def offenses(self) -> list[dict]:

@@ -73,8 +73,9 @@ class Limits:
         """The limits a member weighing ``ours`` (its tokens) checks averages with, in a group weighing ``weights``:
         a light member (``is_light``) refuses an average by direction only where it points clearly against its own
         part (below ``ban_cosine``, as a sign flip does). Its part says little of the average's direction, which the
-        heavier parts set: an honest average pointed away from a peer that trained a fifth of the others' steps in a
-        round bounded by time (cosine -0.13), and was refused."""
+        heavier parts set: an honest average can point away from the part of a peer that trained far fewer steps
+        than the others in a round bounded by time, and ``min_cosine`` alone would refuse it (BENCHMARKS.md,
+        "Unequal volunteers")."""
         if not is_light(ours, weights):
             return self
         return dataclasses.replace(self, min_cosine=min(self.min_cosine, self.ban_cosine))
@@ -211,8 +212,8 @@ def _references(parts: dict[int, tuple[torch.Tensor, float]], norms: dict[int, f
                 own: int) -> tuple[float, float, str]:
     """What a reducer's ratio checks compare a sender's weight and norm with, and whose they are: in a pair, our own
     part's; in a group of three or more, the group's median part's (ours included, the lower median: a minority
-    cannot raise it). A reducer that trained a tenth of the others' steps (a slow volunteer, rounds bounded by time)
-    would otherwise refuse every honest part as too heavy or too long."""
+    cannot raise it). A reducer that trained far fewer steps than the others (a slow volunteer, rounds bounded by
+    time) would otherwise refuse every honest part as too heavy or too long (BENCHMARKS.md, "Unequal volunteers")."""
     if len(parts) < 3:
         return parts[own][1], norms[own], "ours"
     weights = [w for _, w in parts.values()]

@@ -163,7 +163,7 @@ class Faults:
 
     def refuses_average(self, round_number: int) -> str:
         """Why we refuse the group's average of round ``round_number`` ("" unless ``refuse_round`` names it).
-        Called where the round checks the average it got (``outer_round.py``)."""
+        Called where the round's verdict checks the average it got (``rounds/outcome.py``)."""
         return "the fault injection says so (refuse_round)" if round_number in self.refuse_rounds else ""
 
     async def delay_serving(self) -> None:

@@ -204,16 +204,17 @@ class AveragingConfig(_Section):
     """Carry what a lossy codec dropped from our pseudo-gradient into the next round's (nothing is lost for
     good, only delayed); dropped after a state sync."""
     min_peers: int = Field(2, ge=1)
-    """The first outer round waits until this many peers are ready, so that fast peers do not
-    drift apart with solo steps while the swarm is still starting."""
+    """The first outer round waits until this many peers are live (every live record counts, ready or not), so that
+    fast peers do not drift apart with solo steps while the swarm is still starting."""
     first_round_timeout: float = Field(300.0, gt=0)
     """Seconds the first round waits for ``min_peers``; then it goes on with whoever is ready."""
     ready_timeout: float = Field(30.0, ge=0)
     """Wait budget per round: seconds to wait for peers still training in this epoch before the round
     starts with those that are ready (a straggler must not hold the swarm hostage)."""
     matchmaking_time: float = Field(3.0, gt=0)
-    """Seconds a group leader gathers followers (hivemind ``min_matchmaking_time``); with ``start_when_complete``
-    the most it waits for the live peers the round gate saw."""
+    """Seconds a group leader gathers followers (hivemind ``min_matchmaking_time``), longer in proportion beyond 4
+    expected peers: one more such window per 4 more (``averaging/averager.py`` ``PEERS_PER_WINDOW``); with
+    ``start_when_complete`` the most it waits for the live peers the round gate saw."""
     start_when_complete: bool = True
     """A group that holds every peer the round gate saw alive starts its all-reduce at once instead of at the end
     of ``matchmaking_time``: blocking rounds spend much more of their time training, and a loopback round's
@@ -223,12 +224,14 @@ class AveragingConfig(_Section):
     False: every group gathers for the window."""
     request_timeout: float = Field(2.0, gt=0)
     allreduce_timeout: float = Field(60.0, gt=0)
-    """Seconds after which an all-reduce is abandoned and the round falls back to a solo step."""
+    """Seconds after which an all-reduce is abandoned: the round then takes the state the other peers end it with
+    (``rounds/healing.py``), and steps alone only if they have none."""
     heartbeat: float = Field(5.0, gt=0)
     """Seconds between progress records published to the DHT (records expire after 3 heartbeats)."""
     bandwidth: float = Field(0.0, ge=0)
     """Declared bandwidth in MB/s: the share of the all-reduce this peer reduces; 0 = equal shares. It can
-    lower a slow peer's share, never raise one above the group's median peer's (robust_aggregation.py)."""
+    lower a slow peer's share, never raise one above the group's median peer's; in groups of 3 or more, each share
+    is also scaled down by how much slower than the median member that peer steps (robust_aggregation.py)."""
     part_size_bytes: int = Field(2**19, ge=4096, le=2**26)
     """The all-reduce sends the pseudo-gradient in parts of up to this many bytes (after compression). A reducer
     answers a part once every sender's copy of it arrived, so a round ends one part (per sender) after the last

@@ -4,7 +4,7 @@ that are ready, weighted by the tokens behind it.
 The schedule launches the exchange as an asyncio task (``RoundExchange.launch``) and the round's end collects it:
 at once in blocking rounds, a round later in overlapped ones, which train the next round meanwhile. What the gate's
 records mean for us (sync at once, or note that our outer weights are off the swarm's) is the schedule's call
-(``Schedule.at_gate``).
+(``Blocking.at_gate`` or ``Overlapped.at_gate``, ``schedule.py``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from .outcome import Exchange
 logger = logging.getLogger("diloco_peer")
 
 GateVerdict = Callable[[list[ProgressRecord]], Awaitable[tuple[bool, str]]]
-"""What a schedule makes of the gate's records (``Schedule.at_gate``): (the round is dropped, why our outer weights
-are off the swarm's or "")."""
+"""What a schedule makes of the gate's records (``Blocking.at_gate`` or ``Overlapped.at_gate``): (the round is
+dropped, why our outer weights are off the swarm's or "")."""
 
 
 class RoundExchange:

@@ -16,9 +16,6 @@ from ..averaging.robust_aggregation import refuse_update
 from ..config.faults import NO_FAULTS, Faults
 from ..swarm.progress import ReadyDecision
 
-OUTCOMES = ("averaged", "partial", "failed", "solo")
-"""Every outcome a round can have, as the ``round`` event and the metrics name them."""
-
 
 @dataclass
 class Exchange:
@@ -37,8 +34,9 @@ class Verdict:
     """What the round's end does with an exchange."""
 
     outcome: str
-    """One of ``OUTCOMES``: ``averaged``; ``partial`` (averaged, but a reducer failed mid-round: part of our vector
-    kept its own values); ``failed`` (ready peers, but no average we may apply); ``solo`` (nobody to average with)."""
+    """One of ``observe.metrics.ROUND_OUTCOMES``: ``averaged``; ``partial`` (averaged, but a reducer failed
+    mid-round: part of our vector kept its own values); ``failed`` (ready peers, but no average we may apply);
+    ``solo`` (nobody to average with)."""
     steps_with_average: bool
     """Our outer step takes the group's average; else, failing the state below, our own pseudo-gradient."""
     seeks_swarm_state: bool

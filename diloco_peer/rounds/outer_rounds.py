@@ -2,7 +2,8 @@
 
 One outer round, as DiLoCo (Douillard et al. 2023) and OpenDiLoCo run it:
 
-1. **train**: H inner AdamW steps on this peer's shard (on the compute thread; the event loop stays free);
+1. **train**: inner AdamW steps on this peer's shard (on the compute thread; the event loop stays free): by
+   default as many as fit the round's period, H at most (``outer.round_length = "time"``: ``pace.py``), else H;
 2. **gate**: publish "ready" for our epoch and wait (bounded) until the peers of this epoch are ready;
 3. **average**: matchmake a group and all-reduce the pseudo-gradients (outer weights - replica weights),
    weighted by the tokens behind them;
@@ -48,7 +49,9 @@ PROGRESS_EVENTS_PER_ROUND = 5
 class OuterRounds:
     """Runs this peer's outer rounds; the daemon hands it the running components and keeps the lifecycle.
 
-    :param outer_cfg: the ``[outer]`` section: H, the schedule (``overlap``, ``apply_on_arrival``), the outer lr
+    :param outer_cfg: the ``[outer]`` section: H, the schedule (``overlap``, ``apply_on_arrival``), the outer lr,
+        ``round_length`` (rounds bounded by time or by H steps) and ``contribution`` (how a round of fewer steps
+        than H counts in the average)
     :param averaging: the ``[averaging]`` section: the gate, the checks of the average, the waits of healing
     :param max_rounds: ``run.max_rounds``: leave once the outer epoch reaches it (0: never)
     :param name: this peer's name, in logs and records

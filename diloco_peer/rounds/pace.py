@@ -15,8 +15,10 @@ or leaves it behind (its compute is thrown away). ``outer.round_length = "time"`
 - A claim is bounded: a period under ``1 / MAX_SPREAD`` of the peers' median counts as that, so one peer that
   claims to be a thousand times faster cannot shrink everyone's rounds to one step.
 
-The first round (nothing measured yet) trains H steps. ``outer.round_length = "steps"`` trains H every round, as the
-DiLoCo paper does. How contributions of unequal steps are weighted: ``training.outer_optimizer.contribution_scale``.
+A newcomer (nothing measured yet) trains for the swarm's period too, cut by the time its steps take (``Pace.budget``);
+only the swarm's first round, which nobody has measured, trains H steps. ``outer.round_length = "steps"`` trains H
+every round, as the DiLoCo paper does. How contributions of unequal steps are weighted:
+``training.outer_optimizer.contribution_scale``.
 """
 
 from __future__ import annotations
@@ -97,9 +99,9 @@ class Pace:
     def too_slow(self, record: ProgressRecord, records: list[ProgressRecord], own: str = "") -> bool:
         """Whether the peer of ``record`` cannot be ready in time for a round of the period ``records`` give: one inner
         step of it and its round's other work take longer than the whole round (it trains one step at least, and
-        arrives late every time: a peer at 0.06 of a core took ~1.3 s a step and seconds for its eval and outer step,
-        in rounds of 3-5 s). The round gate does not wait for it; rounds of fixed H wait for everyone. ``own``: our
-        peer id (``period``)."""
+        arrives late every time: a peer with a sliver of a core can need longer for one step, its eval and its outer
+        step than the swarm's round lasts). The round gate does not wait for it; rounds of fixed H wait for everyone.
+        ``own``: our peer id (``period``)."""
         period = self.period(records, own) if self.timed else None
         if period is None or record.step_seconds is None:
             return False

@@ -29,8 +29,9 @@ class RoundRecord:
     epoch: int
     outcome: str
     """``averaged`` with a group; ``partial``: averaged, but a reducer failed mid-round and part of our vector kept
-    its own values (healed by a state sync); ``failed``: a group was expected or formed and its average was not had,
-    or was refused; ``solo``: nobody to average with (``outcome.decide``)."""
+    its own values (rechecked once the others have stepped, ``Healing.recheck_after_round``: it syncs only if its
+    state is not the one most of the round's peers hold); ``failed``: a group was expected or formed and its average
+    was not had, or was refused; ``solo``: nobody to average with (``outcome.decide``)."""
     group_size: int
     group_epochs: list[int]
     ready_peers: int

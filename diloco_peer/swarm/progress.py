@@ -98,13 +98,14 @@ class ReadyDecision:
     expected: int = 0
     """Peers that may come to this round's matchmaking (us included): every live record but a banned peer's, also
     those whose claims we do not trust (a liar may still average; a group started without it, filled up by the
-    trusted count, turned an honest peer away: ``averaging.start_when_complete``). 0: not counted."""
+    trusted count, turned an honest peer away: ``averaging.start_when_complete``), less the peers too slow to be
+    in time, which the gate does not wait for and which do not come either. 0: not counted."""
 
 
 def _round_peers(records: list[ProgressRecord], epoch: int, lag: int,
                  too_slow=None) -> tuple[int, list[ProgressRecord], int]:
-    """The peers of the round of ``epoch`` among ``records`` (the gate waits for them), how many are ready, and how
-    many it leaves out: a peer that is not ready and ``too_slow`` to be in time is not waited for.
+    """How many peers of the round of ``epoch`` among ``records`` are ready, those peers (the gate waits for them),
+    and how many it leaves out: a peer that is not ready and ``too_slow`` to be in time is not waited for.
     ``lag`` 1 (overlapped): those whose record says they train that round (``round``), and those that sent it (at
     ``epoch`` and ready). ``lag`` 0 (blocking): those at ``epoch``, and joined peers behind that sync towards its round
     (``Healing.heading_for``), not ready yet."""
@@ -191,8 +192,9 @@ class SwarmProgress:
         A record counts until it expires, is withdrawn, or a later one replaces it, whether or not the last read
         returned it: a read that missed it (DHT nodes that did not answer in time, a starved DHT process) would
         otherwise make the peer vanish for a moment, and a gate that saw nobody else would step alone. It counts
-        one heartbeat past its expiration too: under load a heartbeat's store comes late (12 peers on 2 cores), the
-        peer vanished from the others' gates, and a gate that counted 7 of 12 formed a group of 7."""
+        one heartbeat past its expiration too: on a loaded machine a heartbeat's store comes late, the peer would
+        vanish from the others' gates for a moment, and a gate that counted only the peers it saw would form a
+        group of part of the round (BENCHMARKS.md, "Many peers")."""
         now = get_dht_time() - self.heartbeat
         entries = await progress_store.fetch_progress_entries(self.dht, self.run_id)
         for subkey, (record, expiration) in entries.items():

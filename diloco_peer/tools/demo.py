@@ -201,8 +201,9 @@ class _DemoSwarm:
                 f"run.max_rounds={args.rounds}", f"checkpoint.dir={json.dumps(str(out / 'checkpoints'))}"]
         if args.metrics_port_base:
             sets.append(f"metrics.port={args.metrics_port_base + 1 + index}")
-        # the demo's config, named: a peer then looks for its owner's config record 5 s, not 30 s (32 peers starting
-        # on 2 cores read it later than that, and left)
+        # the demo's config, named: a peer then looks for its owner's config record for run_config.WAIT_WITH_CONFIG
+        # and, finding none, trains with its own, instead of giving up after run_config.WAIT (many peers starting on
+        # a loaded machine read the record later than that, and left: BENCHMARKS.md, "Many peers")
         self.procs[name] = self.swarm.start_peer(name, *sets, netns=self._where(index),
                                                  args=["--config", args.config or DEFAULT_CONFIG])
         self.logs[name] = out / f"{name}.jsonl"  # (run.log_dir: the swarm's directory, --out)

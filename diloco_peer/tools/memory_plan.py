@@ -34,13 +34,14 @@ FP32 = 4
 
 RUNTIME_HOST_BYTES = 520 * 2**20
 """Python, torch and hivemind in the peer process, its DHT and averager processes, p2pd, torch's shared-memory
-manager: the proportional set size (shared pages counted once) of a tiny-cpu peer's process tree at its peak
-(573 MiB, measured on Linux with torch 2.13 CPU, 2 peers averaging) less the rows of this table for it (~60 MiB)."""
+manager: the proportional set size (shared pages counted once) of a tiny-cpu peer's process tree at its peak,
+measured on Linux with torch on the CPU and 2 peers averaging, less the rows of this table for it (docs/cli.md,
+section plan)."""
 CUDA_HOST_RUNTIME_BYTES = 1135 * 2**20
 """What training on a GPU adds on the host beyond ``RUNTIME_HOST_BYTES``: the CUDA driver's and torch's CUDA
-libraries' memory in the peer process, and their share in the processes around it. Measured on an H200 peer
-(llama-150m, batch 1 x 64 tokens, torch 2.11+cu130, Python 3.12, ``bench/scale.py --set inner.device=cuda``): its
-process tree held 1.77 GB outside shared memory at its peak, against 0.58 GB of this table's rows for it."""
+libraries' memory in the peer process, and their share in the processes around it. Measured on a GPU peer
+(``bench/scale.py --set inner.device=cuda``): what its process tree held outside shared memory at its peak, less
+this table's rows for it (BENCHMARKS.md, "Memory per parameter at llama-150m")."""
 CUDA_CONTEXT_BYTES = 600 * 2**20
 """The CUDA context and kernels torch loads on the GPU before the first tensor (~0.5-0.7 GiB, by GPU)."""
 LOSS_TRANSIENT_PER_VOCAB = 8
@@ -226,7 +227,7 @@ def _training_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
 
 def _round_rows(cfg: PeerConfig, shape: ModelShape) -> list[Buffer]:
     """The outer optimizer, the pseudo-gradient and the round's result in the peer process
-    (``training/outer_optimizer.py``, ``outer_round.py``, ``averaging/averager.py``), on the host for both kinds
+    (``training/outer_optimizer.py``, ``rounds/outer_rounds.py``, ``averaging/averager.py``), on the host for both kinds
     of peer. The averager's two buffers are shared memory (counted once, here) that gives its pages back after
     the outer step (``RoundAverager.release``): they count during a round only."""
     p = shape.parameters * FP32
