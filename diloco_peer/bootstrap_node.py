@@ -73,9 +73,9 @@ def _owner_identity(identity: str, publishes: bool) -> tuple[str, OwnerKey | Non
         return path, OwnerKey.load(path), scratch
     except (OSError, ValueError) as e:
         if publishes:
-            raise SwarmError(f"bad identity file {identity}: it cannot sign the run's config ({e}): give a key that "
+            raise SwarmError(f"bad identity file {path}: it cannot sign the run's config ({e}): give a key that "
                              f"diloco-peer keygen wrote") from None
-        logger.warning(f"identity {identity} cannot sign ({e}): this node publishes no config record")
+        logger.warning(f"identity {path} cannot sign ({e}): this node publishes no config record")
         return path, None, scratch
 
 

@@ -85,10 +85,11 @@ def _name(text: str) -> str:
     return text
 
 
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    """``--config`` and ``--set``, for the commands that load a peer config."""
+def _add_config_args(parser: argparse.ArgumentParser, default: str = "default tiny-cpu") -> None:
+    """``--config`` and ``--set``, for the commands that load a peer config; ``default``: what the help says a
+    command without ``--config`` uses."""
     parser.add_argument("--config", default=None, metavar="FILE|NAME",
-                        help="TOML config: a file or a shipped name (tiny-cpu, llama-150m, llama-1b); default tiny-cpu")
+                        help=f"TOML config: a file or a shipped name (tiny-cpu, llama-150m, llama-1b); {default}")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config value, TOML syntax, e.g. --set inner.lr=3e-4 (repeatable)")
 
@@ -152,7 +153,8 @@ def _add_join(sub) -> None:
     join.add_argument("bootstrap", nargs="+", metavar="BOOTSTRAP_MULTIADDR",
                       help="address printed by a bootstrap node, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...; "
                            "the swarm's config comes from it (a bootstrap --config), --set keeps your own choices")
-    _add_config_args(join)
+    # without --config a joiner takes the swarm's config from its owner (swarm/run_config.py)
+    _add_config_args(join, default="default: the swarm's, from its owner (else tiny-cpu, if the owner publishes none)")
     join.add_argument("--identity", default=None, metavar="KEY_FILE",
                       help="private key file for a stable peer id (created if missing); sets swarm.identity_path")
     join.add_argument("--secret-file", default=None, metavar="FILE",
