@@ -40,8 +40,8 @@ logger = logging.getLogger(__name__)
 
 ROUND_OUTCOMES = ("averaged", "partial", "solo", "failed")
 ROUNDS_HELP = ("Outer rounds by outcome: averaged with a group, partial (averaged, but a reducer failed: some values "
-               "were not; re-synced), solo (nobody else ready), failed (the all-reduce broke or its average was "
-               "refused)")
+               "were not; rechecked against the others' state), solo (nobody else ready), failed (the all-reduce "
+               "broke or its average was refused)")
 TRAFFIC_KINDS = ("pseudo_gradient", "state_sync")
 PHASES = ("compute", "communication", "waiting")
 ALLREDUCE_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)

@@ -76,9 +76,9 @@ class OuterRounds:
         self.outer_lr = outer_cfg.lr
         self.contribution = outer_cfg.contribution
         self.pace = Pace(outer_cfg.inner_steps, timed=outer_cfg.round_length == "time")
+        """This peer's pace, and how long it trains in a round bounded by time."""
         self.healed = False
         """The round concluded last healed (took the others' state, or rechecked ours against theirs)."""
-        """This peer's pace, and how long it trains in a round bounded by time."""
         self.name = name
         self.trainer = trainer
         self.outer = outer
