@@ -35,7 +35,7 @@ import torch
 
 from ..config import DataError, ModelConfig, PeerConfig
 from ..state.checkpoint import FORMAT_VERSION, CheckpointError
-from ..training.model import LlamaModel, rope_tables
+from ..training.model import LlamaModel, meta_model, parameter_shapes, rope_tables
 
 _EPOCH_FILE = re.compile(r"^epoch-(\d+)\.pt$")
 _HF_NAMES = [  # our parameter name -> Hugging Face Llama's (the first match of each pattern)
@@ -91,8 +91,7 @@ def read_outer_weights(path: Path, fingerprint: str) -> tuple[int, list[torch.Te
 
 def hf_names(cfg: ModelConfig) -> list[str]:
     """Hugging Face Llama's names of our parameters, in ``model.parameters()`` order (a tied lm_head has none)."""
-    with torch.device("meta"):
-        model = LlamaModel(cfg)
+    model = meta_model(cfg)
     names = []
     for name, _ in model.named_parameters():
         pattern, target = next((p, t) for p, t in _HF_NAMES if p.match(name))
@@ -184,8 +183,7 @@ def export(checkpoint: Path, cfg: PeerConfig, out: Path) -> tuple[Path, int, lis
     path = checkpoint_file(checkpoint)
     epoch, weights = read_outer_weights(path, cfg.fingerprint())
     names = hf_names(cfg.model)
-    with torch.device("meta"):
-        shapes = [p.shape for p in LlamaModel(cfg.model).parameters()]
+    shapes = parameter_shapes(cfg.model)
     if [w.shape for w in weights] != shapes:
         raise CheckpointError(f"checkpoint {path} holds {len(weights)} tensors that do not match the model of this "
                               f"config ({len(shapes)} tensors): give the config it was trained with")
@@ -199,8 +197,7 @@ def export(checkpoint: Path, cfg: PeerConfig, out: Path) -> tuple[Path, int, lis
 
 def load_model(cfg: ModelConfig, weights: list[torch.Tensor]) -> LlamaModel:
     """Our model with ``weights`` (in ``parameters()`` order), without initialising it first."""
-    with torch.device("meta"):
-        model = LlamaModel(cfg)
+    model = meta_model(cfg)
     model.to_empty(device="cpu")
     if cfg.tie_embeddings:  # to_empty gives the two modules a tensor each
         model.lm_head.weight = model.embed.weight

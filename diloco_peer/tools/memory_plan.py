@@ -102,11 +102,10 @@ class ModelShape:
     def from_config(cls, cfg: ModelConfig) -> ModelShape:
         import torch
 
-        from ..training.model import LlamaModel
+        from ..training.model import meta_model
 
         try:
-            with torch.device("meta"):
-                model = LlamaModel(cfg.model_copy(update={"num_layers": 1}))
+            model = meta_model(cfg.model_copy(update={"num_layers": 1}))
         except (RuntimeError, OverflowError) as e:  # more values than torch can count
             raise ConfigError(f"the [model] section is too large to build ({type(e).__name__}): make it "
                               f"smaller") from None

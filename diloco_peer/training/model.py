@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..config import ModelConfig
 
@@ -30,8 +31,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # [seq, head_dim / 2]
+    """The rotary tables, on the CPU (the model moves them with itself; inside ``meta_model`` too, see there)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device="cpu"), inv_freq)  # [seq, head_dim / 2]
     return angles.cos(), angles.sin()
 
 
@@ -135,11 +137,33 @@ def build_model(cfg: ModelConfig, seed: int) -> LlamaModel:
     return model
 
 
+INIT_FUNCTIONS = frozenset({"normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "ones_", "zeros_"})
+"""``torch.nn.init``'s functions our modules' constructors call (``nn.Linear``, ``nn.Embedding``, ``RMSNorm``)."""
+
+
+class _NoInit(TorchFunctionMode):
+    """Skips ``INIT_FUNCTIONS``: a meta tensor holds no values to initialize."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in INIT_FUNCTIONS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+def meta_model(cfg: ModelConfig) -> LlamaModel:
+    """``LlamaModel(cfg)`` with its parameters on the meta device: their shapes, no memory, no values. Built without
+    running an op on a meta tensor (init skipped, the rotary tables on the CPU): torch's meta versions of ``normal_``,
+    ``arange`` and most other ops are Python, imported on first use, and that import cost every peer's start about a
+    CPU-second (the memory check and the averager's buffers build one each, before the model itself)."""
+    with torch.device("meta"), _NoInit():
+        return LlamaModel(cfg)
+
+
 def parameter_shapes(cfg: ModelConfig) -> list[torch.Size]:
-    """The shapes of ``build_model(cfg)``'s parameters, in order, from a model on the meta device: no memory,
-    no init (what the averager's buffers need before the model itself is built)."""
-    with torch.device("meta"):
-        return [p.shape for p in LlamaModel(cfg).parameters()]
+    """The shapes of ``build_model(cfg)``'s parameters, in order (what the averager's buffers need before the model
+    itself is built)."""
+    return [p.shape for p in meta_model(cfg).parameters()]
 
 
 @torch.no_grad()
