@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
-from fake_swarm import Board, BoardProgress, FakeSwarm, PullTrainer
+from fake_swarm import Board, BoardProgress, FakeSwarm, PullTrainer, ThreadCompute
 
 from diloco_peer.averaging.averager import RoundResult
 from diloco_peer.config import AveragingConfig, OuterConfig
 from diloco_peer.config.faults import Faults
+from diloco_peer.rounds.exchange import RoundExchange
 from diloco_peer.rounds.outcome import Exchange, decide
 from diloco_peer.rounds.pace import MAX_SPREAD, Pace
 from diloco_peer.rounds.schedule import Blocking, Overlapped
@@ -270,6 +272,26 @@ def test_contributions_of_unequal_steps_are_weighted_by_tokens_and_scaled_as_con
                  for r, t in ((ra, 1.0), (rb, 3.0))]
         expected.append(sum(w * p for w, p in parts) / sum(w for w, _ in parts))
     assert all(torch.allclose(m, e, atol=1e-6) for m, e in zip(swarm.hub.means[1], expected))
+
+
+def test_a_pseudo_gradient_computed_again_is_scaled_as_the_one_sent():
+    """Averaging in place (blocking rounds on a GPU) writes the average over what was sent, so a solo step after a
+    failed round computes the pseudo-gradient again from the replica: it must count as the one sent did (per_step,
+    5 steps of H=20: times 4)."""
+    trainer = PullTrainer(target=1.0)
+    outer = OuterOptimizer(trainer.model, OuterConfig(inner_steps=20, contribution="per_step"))
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.fill_(0.5)  # the replica moved; outer - replica = -0.5
+    exchange = RoundExchange(AveragingConfig(), 0, None, "a", outer=outer, averager=SimpleNamespace(in_place=True),
+                             progress=None, sync=None, healing=None, events=None, compute=ThreadCompute(),
+                             should_stop=lambda: False)
+    scale = contribution_scale("per_step", 5, 20)
+    exchange.sent, exchange.scale = [torch.zeros(3, 4), torch.zeros(4)], scale  # (overwritten by the average)
+    again = asyncio.run(exchange.own_pseudo_gradient())
+    assert scale == 4.0 and all(torch.equal(t, torch.full_like(t, -0.5 * scale)) for t in again)
+    exchange.averager.in_place = False  # otherwise: what was sent, as it was
+    assert asyncio.run(exchange.own_pseudo_gradient()) is exchange.sent
 
 
 def test_the_contribution_scale():
