@@ -547,3 +547,15 @@ def test_a_distrusted_liar_still_counts_towards_min_peers_and_holds_no_gate():
     decision = asyncio.run(asyncio.wait_for(gate(), timeout=5))
     assert decision.reason == ALL_READY and decision.ready == 3 and decision.waited < 1
     assert "liar" not in [r.peer_id for r in decision.records]
+
+
+def test_the_gates_of_a_large_swarm_read_less_often_the_more_peers_there_are():
+    """A read returns every peer's record: n gates polling at a fixed interval read n^2 records a poll together. A
+    few peers poll every 0.05 s for a gate's first seconds (their rounds' latency), then every 0.5 s; past 5 peers
+    the swarm's gates read ~100 times a second together at first, ~10 once they have waited a while (each
+    every 5 s at most: the wait for stragglers ends that late at most)."""
+    gate = SwarmProgress.__new__(SwarmProgress)  # (the intervals need no DHT)
+    assert gate.poll_interval(3, waited=0.0) == 0.05 and gate.poll_interval(3, waited=6.0) == 0.5
+    assert gate.poll_interval(20, waited=0.0) == 0.2 and gate.poll_interval(20, waited=6.0) == 2.0
+    assert gate.poll_interval(300, waited=0.0) == 0.5 and gate.poll_interval(300, waited=6.0) == 5.0  # (a bound)
+

@@ -143,6 +143,15 @@ class SwarmProgress:
     SWARM_POLLS_PER_SECOND = 100
     """In a swarm of more than 5 peers the fast polls come every n / 100 s instead (up to ``POLL_SECONDS``): the
     gates of n peers read the DHT this many times a second together."""
+    SWARM_SLOW_POLLS_PER_SECOND = 10
+    """Past ``FAST_POLL_WINDOW``, the slow polls of a swarm of n peers come every n / 10 s (``POLL_SECONDS`` at
+    least): each read returns every peer's record, so at a fixed interval a swarm's waiting gates read n^2 records a
+    poll together, which starved a swarm of 32 peers on one machine at its first gate (BENCHMARKS.md, "Many peers");
+    this way n (up to ``SLOW_POLL_MAX_SECONDS``). A gate told that the round's last peer is ready still reads at
+    once."""
+    SLOW_POLL_MAX_SECONDS = 5.0
+    """The longest wait between two slow polls: a gate leaves its stragglers (``averaging.ready_timeout``) at most
+    this late."""
     NUDGE_GAP = 0.005
     """Seconds between two looks at ``nudged`` while the gate waits: also the shortest wait between two reads."""
 
@@ -251,7 +260,7 @@ class SwarmProgress:
             stepped = not everyone and (quorum_epoch(others, QUORUM) or 0) > epoch
             if stepped or not pending or time.monotonic() >= deadline or should_stop():
                 return records
-            await asyncio.sleep(self.POLL_SECONDS)
+            await asyncio.sleep(self.poll_interval(len(records), waited=self.FAST_POLL_WINDOW))
 
     def start_heartbeat(self) -> None:
         async def _beat():
@@ -329,11 +338,17 @@ class SwarmProgress:
                                      reads, expected)
             await self._nap(len(records), started)
 
+    def poll_interval(self, peers: int, waited: float) -> float:
+        """Seconds between two reads of a gate that has waited ``waited`` seconds, ``peers`` live."""
+        if waited < self.FAST_POLL_WINDOW:
+            return min(self.POLL_SECONDS, max(self.FAST_POLL_SECONDS, peers / self.SWARM_POLLS_PER_SECOND))
+        return min(self.SLOW_POLL_MAX_SECONDS, max(self.POLL_SECONDS, peers / self.SWARM_SLOW_POLLS_PER_SECOND))
+
     async def _nap(self, peers: int, since: float) -> None:
         """The gate's wait between two reads, ``peers`` live and waiting since ``since``: a poll (fast in the first
-        ``FAST_POLL_WINDOW`` seconds), or until ``nudged`` (``NUDGE_GAP`` at least)."""
-        fast = min(self.POLL_SECONDS, max(self.FAST_POLL_SECONDS, peers / self.SWARM_POLLS_PER_SECOND))
-        end = time.monotonic() + (fast if time.monotonic() - since < self.FAST_POLL_WINDOW else self.POLL_SECONDS)
+        ``FAST_POLL_WINDOW`` seconds, then slower the more peers there are), or until ``nudged`` (``NUDGE_GAP`` at
+        least)."""
+        end = time.monotonic() + self.poll_interval(peers, time.monotonic() - since)
         while self.nudged is not None and time.monotonic() + self.NUDGE_GAP < end:
             await asyncio.sleep(self.NUDGE_GAP)
             if self.nudged.is_set():
