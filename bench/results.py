@@ -18,7 +18,8 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
 MEASURED = {"measured_at", "seconds_per_round", "averaged_fraction", "eval_loss", "ratios", "median_pair_ratio",
-            "allreduce_seconds", "compute_seconds", "mesh_bytes_per_second", "of_mesh", "peers", "identical"}
+            "allreduce_seconds", "compute_seconds", "mesh_bytes_per_second", "of_mesh", "per_peer", "identical",
+            "pss_per_peer"}
 """Settings keys that are measured in the run, not chosen: they do not tell configurations apart."""
 
 

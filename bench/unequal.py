@@ -42,14 +42,15 @@ SETS = ["outer.inner_steps=20", "run.threads=1", "checkpoint.dir=''", "data.max_
 small corpus, one eval batch; everything else is tiny-cpu's default: no tuning flags."""
 
 
-def run(workdir: Path, shares: list[str], length: str, rounds: int) -> dict:
+def run(workdir: Path, shares: list[str], length: str, rounds: int, extra: list[str]) -> dict:
     """A swarm of ``len(shares)`` peers for ``rounds`` rounds; its measurements (see the module docstring)."""
     workdir.mkdir(parents=True, exist_ok=True)
     names = [f"p{i}" for i in range(len(shares))]
     with contextlib.ExitStack() as stack:
         # the first round waits for every peer (a throttled one takes a while to start): the rounds measured are
         # the swarm's steady state, all of it in
-        sets = [*SETS, f"outer.round_length={length}", f"run.max_rounds={rounds}", f"averaging.min_peers={len(shares)}"]
+        sets = [*SETS, f"outer.round_length={length}", f"run.max_rounds={rounds}", f"averaging.min_peers={len(shares)}",
+                *extra]
         swarm = stack.enter_context(LocalSwarm(workdir, sets=sets, env={"PYTHONPATH": str(ROOT)}))
         swarm.start_bootstrap("--report-every", "10")
         for name, share in zip(names, shares):
@@ -95,6 +96,8 @@ def main() -> int:
     parser.add_argument("--lengths", default="steps,time", help="comma-separated outer.round_length values")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--workdir", default="runs/bench-unequal")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every peer of every run (e.g. outer.overlap=eager)")
     args = parser.parse_args()
     why = available()
     if why:
@@ -106,20 +109,22 @@ def main() -> int:
         fast = [s for s in shares if s == "full"]
         tag = spread.replace(",", "-")
         # the baseline: the fast peers alone, where they are two or more (one alone averages nothing)
-        alone = run(Path(args.workdir) / f"{tag}-fast", fast, "time", args.rounds) if len(fast) > 1 else None
+        alone = run(Path(args.workdir) / f"{tag}-fast", fast, "time", args.rounds, args.set) if len(fast) > 1 \
+            else None
         for length in args.lengths.split(","):
             started = time.monotonic()
-            every = run(Path(args.workdir) / f"{tag}-{length}", shares, length, args.rounds)
+            every = run(Path(args.workdir) / f"{tag}-{length}", shares, length, args.rounds, args.set)
             ratio = every["tokens_per_second"] / max(alone["tokens_per_second"], 1e-9) if alone else 0.0
             versus = f", the fast peers alone {alone['tokens_per_second']:,.0f} ({ratio:.2f}x)" if alone else ""
-            print(f"\n{spread} round_length={length}: averaged {every['tokens_per_second']:,.0f} tokens/s{versus}; "
-                  f"identical every round: {every['identical']} ({time.monotonic() - started:.0f}s)")
+            given = "".join(f" {item}" for item in args.set)
+            print(f"\n{spread} round_length={length}{given}: averaged {every['tokens_per_second']:,.0f} tokens/s"
+                  f"{versus}; identical every round: {every['identical']} ({time.monotonic() - started:.0f}s)")
             for name, peer in every["peers"].items():
                 print(f"  {name} cpu {peer['share']:>5}: {peer['steps']:>4} steps a round, idle {peer['idle']:.0%}, "
                       f"averaged {peer['averaged_of_trained']:.0%} of its tokens", flush=True)
             figures.append(figure("unequal", every["tokens_per_second"],
                                   alone["tokens_per_second"] if alone else every["tokens_per_second"], spread=spread,
-                                  round_length=length, rounds=args.rounds, per_peer=every["peers"],
+                                  round_length=length, rounds=args.rounds, sets=args.set, per_peer=every["peers"],
                                   identical=every["identical"]))
     save(figures)
     return 0
