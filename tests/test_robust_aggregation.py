@@ -456,6 +456,9 @@ def test_light_contributions_are_judged_by_direction_against_ban_cosine_only():
     assert _kind(check_average, -own, own, light) == "direction"  # a sign flip still is
     assert _kind(check_average, torch.full((2048,), float("nan")), own, light) == "non_finite"
     assert _kind(check_average, 100 * own, own, light) == "norm"
+    # a light member's own part is shorter (fewer steps behind it): an average 13x as long is no offense to it where
+    # the median part weighs 4x its own (the bound: 10x times 4), and still one to a heavy member
+    assert _kind(check_average, 13 * own, own, light) == "" and _kind(check_average, 13 * own, own, limits) == "norm"
     assert limits.for_member([2000, 2000, 500], ours=2000) is limits  # not light: unchanged
     assert limits.for_member([1000, 1000], ours=1000) is limits  # an equal swarm: everyone as before
     # a reducer: three heavy parts along ours, a light one mildly away (kept), a light sign flip (refused)

@@ -294,6 +294,22 @@ def test_a_pseudo_gradient_computed_again_is_scaled_as_the_one_sent():
     assert asyncio.run(exchange.own_pseudo_gradient()) is exchange.sent
 
 
+@pytest.mark.parametrize("contribution", ["tokens", "per_step"])
+def test_the_bound_on_the_averages_norm_grows_for_a_pseudo_gradient_of_fewer_steps(tmp_path, contribution):
+    """A pseudo-gradient grows with the steps behind it: a peer of a few steps checks the group's average against
+    ``max_update_ratio`` times H / its steps (unless ``per_step`` scaled what it sent by as much already); a slow
+    volunteer of one step refused its group's honest averages as too long, round after round."""
+    cfg = OuterConfig(inner_steps=20, round_length="time", contribution=contribution)
+    swarm = FakeSwarm(tmp_path, cfg, AveragingConfig(ready_timeout=2.0, heartbeat=0.05, max_update_ratio=10.0))
+    a = swarm.add("a", target=1.0, step_seconds=0.004)
+    b = swarm.add("b", target=3.0, step_seconds=0.02)
+    swarm.run(2)
+    steps = b.records[1].inner_steps
+    assert steps < 20 and all(r.outcome == "averaged" for r in (*a.records, *b.records))
+    assert a.rounds._update_ratio() == 10.0
+    assert b.rounds._update_ratio() == pytest.approx(10.0 * 20 / steps if contribution == "tokens" else 10.0)
+
+
 def test_the_contribution_scale():
     assert contribution_scale("tokens", 4, 20) == 1.0
     assert contribution_scale("per_step", 4, 20) == 5.0 and contribution_scale("per_step", 20, 20) == 1.0

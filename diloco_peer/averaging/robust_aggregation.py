@@ -75,10 +75,14 @@ class Limits:
         part (below ``ban_cosine``, as a sign flip does). Its part says little of the average's direction, which the
         heavier parts set: an honest average can point away from the part of a peer that trained far fewer steps
         than the others in a round bounded by time, and ``min_cosine`` alone would refuse it (BENCHMARKS.md,
-        "Unequal volunteers")."""
+        "Unequal volunteers"). And its norm check allows the average to be as many times longer as the median part
+        weighs more than its own: a pseudo-gradient grows with the steps behind it, and a peer of one step in a group
+        of twenty-step peers refused their honest average as too long, and banned one of them."""
         if not is_light(ours, weights):
             return self
-        return dataclasses.replace(self, min_cosine=min(self.min_cosine, self.ban_cosine))
+        heavier = statistics.median_low(weights) / max(ours, 1e-12)
+        return dataclasses.replace(self, min_cosine=min(self.min_cosine, self.ban_cosine),
+                                   max_update_ratio=self.max_update_ratio * heavier)
 
 
 LIGHT = 0.5

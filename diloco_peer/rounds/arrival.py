@@ -12,6 +12,7 @@ refused, partial, off the swarm's weights) is left to the round's end, which han
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import torch
 
@@ -24,11 +25,12 @@ class EarlyAverage:
     """Applies the pending exchange's average to the replica mid-round (``outer.apply_on_arrival``).
 
     :param outer: the outer optimizer (its weights and momentum are read, never changed here)
-    :param max_update_ratio: ``averaging.max_update_ratio``, as the round's end checks the average
+    :param max_update_ratio: the bound of the average's norm, as the round's end checks it (a function of the
+      pending pseudo-gradient: ``OuterRounds._update_ratio``)
     :param faults: the fault injection (``refuse_round`` refuses an average here as at the round's end)
     """
 
-    def __init__(self, outer: OuterOptimizer, max_update_ratio: float, faults: Faults):
+    def __init__(self, outer: OuterOptimizer, max_update_ratio: Callable[[], float], faults: Faults):
         self.outer = outer
         self.max_update_ratio = max_update_ratio
         self.faults = faults
@@ -53,7 +55,7 @@ class EarlyAverage:
         if self.task.cancelled() or self.task.exception() is not None:
             return False
         exchange = self.task.result()
-        if exchange.dropped or not decide(exchange, self.outer.epoch, self.max_update_ratio, self.faults).clean:
+        if exchange.dropped or not decide(exchange, self.outer.epoch, self.max_update_ratio(), self.faults).clean:
             return False
         correct_on_arrival(self.outer, exchange.result.averaged, start)
         self.step = inner_step

@@ -67,17 +67,20 @@ class RoundExchange:
         """The pseudo-gradient ``pending`` averages (a solo step applies it if the all-reduce fails)."""
         self.scale = 1.0
         """What ``sent`` was multiplied by (``outer.contribution``)."""
+        self.steps = 0
+        """The inner steps behind ``sent`` (0: not said)."""
         self.waited = 0.0
         """Seconds the last ``collect`` waited for its exchange to end."""
         self.records: list[ProgressRecord] = []
         """The swarm's records as the last gate saw them (the pace of rounds bounded by time is read from them)."""
 
-    def launch(self, pseudo_gradient: list[torch.Tensor], tokens: int, inner_step: int, scale: float = 1.0
-               ) -> asyncio.Task:
-        """Start exchanging ``pseudo_gradient`` (``tokens`` behind it, already multiplied by ``scale``:
-        ``outer.contribution``) for our outer epoch; the task."""
+    def launch(self, pseudo_gradient: list[torch.Tensor], tokens: int, inner_step: int, scale: float = 1.0,
+               steps: int = 0) -> asyncio.Task:
+        """Start exchanging ``pseudo_gradient`` (``tokens`` and ``steps`` inner steps behind it, already multiplied
+        by ``scale``: ``outer.contribution``) for our outer epoch; the task."""
         self.sent = pseudo_gradient
         self.scale = scale
+        self.steps = steps
         self.pending = asyncio.create_task(self._exchange(pseudo_gradient, tokens, self.outer.epoch, inner_step))
         return self.pending
 

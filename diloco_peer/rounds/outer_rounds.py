@@ -90,7 +90,7 @@ class OuterRounds:
         self.should_stop = should_stop
         self.shown = InnerProgress(events, name, tty)
         """How the inner steps show (a status bar, progress lines and events)."""
-        self.schedule = schedule_for(outer_cfg, EarlyAverage(outer, averaging.max_update_ratio, averager.faults))
+        self.schedule = schedule_for(outer_cfg, EarlyAverage(outer, self._update_ratio, averager.faults))
         self.healing = Healing(averaging, self.schedule.lag, self.inner_steps, name, trainer=trainer, outer=outer,
                                averager=averager, progress=progress, sync=sync, events=events, should_stop=should_stop)
         self.exchange = RoundExchange(averaging, self.schedule.lag, self._at_gate, name, too_slow=self._too_slow,
@@ -176,7 +176,7 @@ class OuterRounds:
         sent = await self.compute.run(scaled, pseudo_gradient, scale)
         self.pace.trained(inner.steps, inner.compute_seconds)  # our "ready" says it: the others budget with it
         self.progress.record = self.progress.record.copy(update=self.pace.fields())
-        task = self.exchange.launch(sent, inner.tokens, self.trainer.step, scale)
+        task = self.exchange.launch(sent, inner.tokens, self.trainer.step, scale, inner.steps)
         if self.schedule.arrival is not None:
             self.schedule.arrival.watch(task)
 
@@ -189,7 +189,7 @@ class OuterRounds:
             return None
         epoch = self.outer.epoch
         self.report_offenses(exchange.result)
-        verdict = decide(exchange, epoch, self.averaging.max_update_ratio, self.averager.faults)
+        verdict = decide(exchange, epoch, self._update_ratio(), self.averager.faults)
         for warning in verdict.warnings:
             logger.warning(warning)
         synced = await self._apply(verdict, exchange.result, unsent, epoch)
@@ -232,6 +232,14 @@ class OuterRounds:
         average was in flight), so the peers' gates of that epoch wait for us (``round``)."""
         await self.progress.publish(epoch=self.outer.epoch, round=self.outer.epoch, ready=False,
                                     state_hash=self.sync.state_hash)
+
+    def _update_ratio(self) -> float:
+        """How many times longer than ours the group's average may be (``averaging.max_update_ratio``), for the
+        pseudo-gradient we sent: as many times more where it holds fewer than H steps and counts as it is
+        (``outer.contribution = "tokens"``), since a pseudo-gradient grows with the steps behind it."""
+        steps, scale = self.exchange.steps, self.exchange.scale
+        fewer = self.inner_steps / steps / scale if steps else 1.0
+        return self.averaging.max_update_ratio * max(1.0, fewer)
 
     def _too_slow(self, record: ProgressRecord, records: list[ProgressRecord]) -> bool:
         return self.pace.too_slow(record, records, own=self.progress.record.peer_id)
