@@ -216,7 +216,10 @@ def test_rounds_bounded_by_time_give_a_slow_peer_fewer_steps_and_nobody_waits(tm
     assert outcomes(a) == outcomes(b) == ["averaged"] * 5
     assert a.records[0].inner_steps == b.records[0].inner_steps == 20
     later = [(ra.inner_steps, rb.inner_steps, ra.wait_seconds) for ra, rb in zip(a.records[1:], b.records[1:])]
-    assert all(sa >= 16 and 2 <= sb <= 8 for sa, sb, _ in later), later
+    # a loaded machine can stall one of b's steps past the round's budget (one step that round): one round of four
+    # may fall short, the others must not
+    b_steps = sorted(sb for _, sb, _ in later)
+    assert all(sa >= 16 and 1 <= sb <= 8 for sa, sb, _ in later) and b_steps[1] >= 2, later
     first_wait = a.records[0].wait_seconds  # b's 20 steps: ~0.3 s more than a's
     assert first_wait > 0.2 and all(wait < first_wait / 2 for _, _, wait in later), (first_wait, later)
     for peer in (a, b):  # the LR schedule is at the round's end whatever the steps
