@@ -14,6 +14,7 @@ from hypothesis import settings
 
 from diloco_peer.tools.local_swarm import LocalSwarm
 from diloco_peer.tools.local_swarm import diloco_command as diloco_cmd  # noqa: F401 (the tests import it from here)
+from diloco_peer.tools.zygote import Zygote
 
 # tests are small; several peers share two cores. Rounds of H steps: the tests compare swarms with the simulator
 # (which trains H steps a round) and count steps and tokens, and on a loaded machine a round bounded by time fits
@@ -155,9 +156,17 @@ def peers():
         peer.close()
 
 
+@pytest.fixture(scope="session")
+def zygote():
+    """One warm process per pytest process that forks the local swarms' ``diloco-peer`` processes with torch and
+    hivemind imported already (``tools/zygote.py``): a peer's start costs a fraction of the CPU it costs fresh."""
+    with Zygote.start() as warm:
+        yield warm
+
+
 @pytest.fixture
-def local_swarm(tmp_path):
+def local_swarm(tmp_path, zygote):
     """A ``LocalSwarm`` in the test's directory: its peers with the ``FAST`` overrides, its bootstrap nodes reporting
-    every 2 s; every process it started is reaped after the test, whatever happened."""
-    with LocalSwarm(tmp_path, sets=FAST, bootstrap_args=["--report-every", "2"]) as swarm:
+    every 2 s, forked by the ``zygote``; every process it started is reaped after the test, whatever happened."""
+    with LocalSwarm(tmp_path, sets=FAST, bootstrap_args=["--report-every", "2"], zygote=zygote) as swarm:
         yield swarm

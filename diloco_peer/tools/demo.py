@@ -36,6 +36,7 @@ from ..observe.report import format_table, plot_losses, summarize
 from .churn import ChurnAction, due, effects, parse_churn
 from .local_swarm import LocalSwarm, tail
 from .netbed import EmulatedInternet, available
+from .zygote import Zygote
 
 POLL_SECONDS = 0.5
 STOP_MARGIN = 15.0  # seconds past the peers' run.shutdown_grace that stopping the whole swarm may take
@@ -138,7 +139,20 @@ class _DemoSwarm:
     def __enter__(self) -> _DemoSwarm:
         self.reaper = Reaper()  # if the demo is SIGKILLed, its processes and namespaces go with it
         self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        if not self.args.nat:  # (a peer in a network namespace starts fresh: the zygote is outside it)
+            self.swarm.zygote = self._zygote()
         return self
+
+    def _zygote(self) -> Zygote | None:
+        """A zygote (``zygote.py``) to fork the processes from: they start without importing torch and hivemind
+        each; it exits with the demo (its stdin closes). None if it could not start: then they start fresh."""
+        try:
+            zygote = Zygote.start()
+        except (OSError, RuntimeError) as e:
+            print(f"demo: processes start fresh ({e})", file=sys.stderr, flush=True)
+            return None
+        self.reaper.watch([zygote.proc.pid])
+        return zygote
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if isinstance(exc, Interrupted):
@@ -147,6 +161,8 @@ class _DemoSwarm:
         try:
             self.stop()
         finally:  # the handlers stay until here: a second signal while stopping still kills everything
+            if self.swarm.zygote is not None:
+                self.swarm.zygote.close()
             self.reaper.close()
             for sig, handler in self._handlers.items():
                 signal.signal(sig, handler)

@@ -36,6 +36,7 @@ from pathlib import Path
 from ..lifecycle.reaper import SHM_MANAGER, kill_trees, stop_in_order
 from ..observe.events import read_events
 from ..swarm.addresses import SwarmError
+from .zygote import Zygote
 
 JOIN_LINE = "diloco-peer join "
 """How a bootstrap node's line to join it begins (``bootstrap_node._announce``): the address follows."""
@@ -70,6 +71,9 @@ class LocalSwarm:
       or ``spawn`` goes inside it
     :param program: what stands for ``diloco-peer`` (default: ``diloco_command()``, this Python's install), e.g. an
       installed console script; one given to ``start_peer`` or ``spawn`` replaces it
+    :param zygote: a ``Zygote`` (``zygote.py``) that forks the ``diloco-peer`` processes, each with torch and
+      hivemind imported already; those it cannot serve (another ``program``, a ``wrap`` or a namespace, another
+      environment at import time) start as fresh processes
     :param on_spawn: called with every process started, at once (the demo's reaper watches it)
     :param check: called whenever the swarm polls while it waits (a join address, ``wait_for``); it may raise to
       stop the wait (the demo's stop signals: ``demo.Interrupted``)
@@ -81,11 +85,12 @@ class LocalSwarm:
 
     def __init__(self, workdir: Path, sets: Sequence[str] = (), bootstrap_args: Sequence[str] = (),
                  env: dict[str, str] | None = None, wrap: Sequence[str] = (), program: Sequence[str] = (),
-                 on_spawn: Callable[[subprocess.Popen], None] | None = None, check: Callable[[], None] | None = None):
+                 zygote: Zygote | None = None, on_spawn: Callable[[subprocess.Popen], None] | None = None,
+                 check: Callable[[], None] | None = None):
         self.workdir = Path(workdir)
         self.sets, self.bootstrap_args, self.wrap = list(sets), list(bootstrap_args), list(wrap)
         self.program = list(program) or diloco_command()
-        self.env = env or {}
+        self.env, self.zygote = env or {}, zygote
         self.on_spawn, self.check = on_spawn, check or (lambda: None)
         self.procs: list[subprocess.Popen] = []
         self.bootstraps: list[subprocess.Popen] = []
@@ -107,10 +112,14 @@ class LocalSwarm:
         :param wrap: a command to run it under, inside the swarm's ``wrap``
         """
         where = ["ip", "netns", "exec", netns] if netns else []
+        env = {**os.environ, **self.env, **(env or {})}
+        forkable = self.zygote is not None and not (self.wrap or wrap or where) and self.zygote.forks(cmd, env)
         with (self.workdir / log_name).open("a") as log:
-            proc = subprocess.Popen([*self.wrap, *wrap, *where, *cmd], stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, cwd=self.workdir,
-                                    env={**os.environ, **self.env, **(env or {})})
+            if forkable:
+                proc = self.zygote.spawn(cmd, stdout=log, env=env, cwd=self.workdir)
+            else:
+                proc = subprocess.Popen([*self.wrap, *wrap, *where, *cmd], stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True, cwd=self.workdir, env=env)
         self.procs.append(proc)
         self.logs[proc.pid] = self.workdir / log_name
         if self.on_spawn:

@@ -1,0 +1,67 @@
+"""The zygote (``tools/zygote.py``): a ``diloco-peer`` command forked from it runs as the same command started fresh
+would (its arguments, streams, directory, environment, session; signals and exit status as ``Popen`` reports them),
+and ``LocalSwarm`` forks only what the zygote can serve."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import psutil
+import pytest
+from conftest import wait_for_line
+
+from diloco_peer.config.faults import FAULT_ENV
+from diloco_peer.tools.local_swarm import LocalSwarm, diloco_command
+from diloco_peer.tools.zygote import Forked
+
+
+def forked(zygote, tmp_path, *args: str, env: dict | None = None, log: str = "out.log") -> Forked:
+    with (tmp_path / log).open("a") as out:
+        return zygote.spawn(diloco_command(*args), stdout=out, env={**os.environ, **(env or {})}, cwd=tmp_path)
+
+
+def test_a_forked_command_has_its_arguments_output_directory_and_environment(tmp_path, zygote):
+    keygen = forked(zygote, tmp_path, "keygen", "peer.key")  # relative: written into its working directory
+    assert keygen.wait(timeout=60) == 0 and (tmp_path / "peer.key").stat().st_mode & 0o777 == 0o600
+    assert "peer id" in (tmp_path / "out.log").read_text()
+
+    bad = forked(zygote, tmp_path, "join", "not-an-address", log="bad.log")
+    assert bad.wait(timeout=60) == 2
+    assert (tmp_path / "bad.log").read_text().startswith("diloco-peer: error: bad bootstrap address 'not-an-address'")
+
+    fault = forked(zygote, tmp_path, "keygen", "other.key", env={FAULT_ENV: "no_such_fault"}, log="env.log")
+    assert fault.wait(timeout=60) == 2  # its environment, checked as the command starts
+    assert FAULT_ENV in (tmp_path / "env.log").read_text() and not (tmp_path / "other.key").exists()
+    assert fault.args == diloco_command("keygen", "other.key")
+
+
+@pytest.mark.slow
+@pytest.mark.light
+def test_a_forked_process_leads_its_session_and_is_signalled_and_reaped_as_popen_says(tmp_path, zygote):
+    codes = {}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        log = f"bootstrap-{sig.name}.log"
+        proc = forked(zygote, tmp_path, "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", log=log)
+        wait_for_line(tmp_path / log, "diloco-peer join ", proc)
+        assert os.getsid(proc.pid) == proc.pid and psutil.Process(proc.pid).ppid() == zygote.proc.pid
+        assert proc.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.1)
+        proc.send_signal(sig)
+        codes[sig] = proc.wait(timeout=60)
+        proc.kill()  # exited: no signal goes to its pid any more
+    assert codes == {signal.SIGTERM: 0, signal.SIGKILL: -signal.SIGKILL}
+
+
+def test_a_local_swarm_forks_what_the_zygote_serves_and_starts_the_rest_fresh(tmp_path, zygote):
+    with LocalSwarm(tmp_path, zygote=zygote) as swarm:
+        served = swarm.spawn(["--version"], "served.log")
+        wrapped = swarm.spawn(["--version"], "wrapped.log", wrap=["nice", "-n", "1"])
+        other_logging = swarm.spawn(["--version"], "logging.log", env={"HIVEMIND_LOGLEVEL": "ERROR"})
+        for proc in (served, wrapped, other_logging):
+            assert proc.wait(timeout=60) == 0
+    assert isinstance(served, Forked)
+    assert isinstance(wrapped, subprocess.Popen) and isinstance(other_logging, subprocess.Popen)
+    assert all(swarm.log(name).read_text().startswith("diloco-peer ") for name in ("served", "wrapped", "logging"))
