@@ -26,6 +26,9 @@ FAST = [
 ]
 
 
+SESSION_ENVIRONMENT = dict(os.environ)
+"""The environment the tests started with, the zygote's (whichever test first needs it may have changed ours)."""
+
 # the fuzzers (hypothesis) draw the same examples on every run, so that what fails in CI fails on a laptop too and a
 # fuzzer never turns a green run red by chance; a test's own settings (more examples) keep this
 settings.register_profile("derandomized", derandomize=True, database=None)
@@ -160,7 +163,7 @@ def peers():
 def zygote():
     """One warm process per pytest process that forks the local swarms' ``diloco-peer`` processes with torch and
     hivemind imported already (``tools/zygote.py``): a peer's start costs a fraction of the CPU it costs fresh."""
-    with Zygote.start() as warm:
+    with Zygote.start(env=SESSION_ENVIRONMENT) as warm:
         yield warm
 
 

@@ -7,19 +7,22 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 
 import psutil
 import pytest
-from conftest import wait_for_line
+from conftest import require_namespaces, wait_for_line
 
 from diloco_peer.config.faults import FAULT_ENV
 from diloco_peer.tools.local_swarm import LocalSwarm, diloco_command
 from diloco_peer.tools.zygote import Forked
 
 
-def forked(zygote, tmp_path, *args: str, env: dict | None = None, log: str = "out.log") -> Forked:
+def forked(zygote, tmp_path, *args: str, env: dict | None = None, log: str = "out.log", cmd=None,
+           netns: str = "") -> Forked:
     with (tmp_path / log).open("a") as out:
-        return zygote.spawn(diloco_command(*args), stdout=out, env={**os.environ, **(env or {})}, cwd=tmp_path)
+        return zygote.spawn(cmd or diloco_command(*args), stdout=out, env={**os.environ, **(env or {})},
+                            cwd=tmp_path, netns=netns)
 
 
 def test_a_forked_command_has_its_arguments_output_directory_and_environment(tmp_path, zygote):
@@ -59,9 +62,31 @@ def test_a_local_swarm_forks_what_the_zygote_serves_and_starts_the_rest_fresh(tm
     with LocalSwarm(tmp_path, zygote=zygote) as swarm:
         served = swarm.spawn(["--version"], "served.log")
         wrapped = swarm.spawn(["--version"], "wrapped.log", wrap=["nice", "-n", "1"])
-        other_logging = swarm.spawn(["--version"], "logging.log", env={"HIVEMIND_LOGLEVEL": "ERROR"})
-        for proc in (served, wrapped, other_logging):
+        level = zygote.env["HIVEMIND_LOGLEVEL"]  # (hivemind's, as the zygote imported it)
+        other_logging = swarm.spawn(["--version"], "logging.log",
+                                    env={"HIVEMIND_LOGLEVEL": "ERROR" if level != "ERROR" else "INFO"})
+        verbose = swarm.spawn(["-v", "--version"], "verbose.log")  # (-v: hivemind's log level as it is imported)
+        for proc in (served, wrapped, other_logging, verbose):
             assert proc.wait(timeout=60) == 0
     assert isinstance(served, Forked)
-    assert isinstance(wrapped, subprocess.Popen) and isinstance(other_logging, subprocess.Popen)
+    assert all(isinstance(proc, subprocess.Popen) for proc in (wrapped, other_logging, verbose))
     assert all(swarm.log(name).read_text().startswith("diloco-peer ") for name in ("served", "wrapped", "logging"))
+    # where unset, the level is the one the CLI sets before it imports hivemind
+    unset = {k: v for k, v in os.environ.items() if k != "HIVEMIND_LOGLEVEL"}
+    assert zygote.forks(diloco_command("--version"), unset) == (level == "WARNING")
+
+
+def test_a_script_runs_as_its_own_main_in_the_network_namespace_it_is_given(tmp_path, zygote):
+    require_namespaces()
+    script = tmp_path / "links.py"
+    script.write_text("import sys\n"
+                      "links = sorted(line.split(':')[0].strip() for line in open('/proc/self/net/dev').readlines()[2:])\n"
+                      "print(__name__, sys.argv[1:], links)\n")
+    name = f"zygote-test-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        proc = forked(zygote, tmp_path, cmd=[sys.executable, str(script), "a", "b"], netns=name)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=True)
+    assert (tmp_path / "out.log").read_text() == "__main__ ['a', 'b'] ['lo']\n"  # a new namespace: loopback only

@@ -139,8 +139,7 @@ class _DemoSwarm:
     def __enter__(self) -> _DemoSwarm:
         self.reaper = Reaper()  # if the demo is SIGKILLed, its processes and namespaces go with it
         self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
-        if not self.args.nat:  # (a peer in a network namespace starts fresh: the zygote is outside it)
-            self.swarm.zygote = self._zygote()
+        self.swarm.zygote = self._zygote()
         return self
 
     def _zygote(self) -> Zygote | None:

@@ -72,8 +72,8 @@ class LocalSwarm:
     :param program: what stands for ``diloco-peer`` (default: ``diloco_command()``, this Python's install), e.g. an
       installed console script; one given to ``start_peer`` or ``spawn`` replaces it
     :param zygote: a ``Zygote`` (``zygote.py``) that forks the ``diloco-peer`` processes, each with torch and
-      hivemind imported already; those it cannot serve (another ``program``, a ``wrap`` or a namespace, another
-      environment at import time) start as fresh processes
+      hivemind imported already (in their network namespace, if they have one); those it cannot serve (another
+      program than this Python, a ``wrap``, another environment at import time) start as fresh processes
     :param on_spawn: called with every process started, at once (the demo's reaper watches it)
     :param check: called whenever the swarm polls while it waits (a join address, ``wait_for``); it may raise to
       stop the wait (the demo's stop signals: ``demo.Interrupted``)
@@ -113,10 +113,10 @@ class LocalSwarm:
         """
         where = ["ip", "netns", "exec", netns] if netns else []
         env = {**os.environ, **self.env, **(env or {})}
-        forkable = self.zygote is not None and not (self.wrap or wrap or where) and self.zygote.forks(cmd, env)
+        forkable = self.zygote is not None and not (self.wrap or wrap) and self.zygote.forks(cmd, env)
         with (self.workdir / log_name).open("a") as log:
             if forkable:
-                proc = self.zygote.spawn(cmd, stdout=log, env=env, cwd=self.workdir)
+                proc = self.zygote.spawn(cmd, stdout=log, env=env, cwd=self.workdir, netns=netns)
             else:
                 proc = subprocess.Popen([*self.wrap, *wrap, *where, *cmd], stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True, cwd=self.workdir, env=env)

@@ -18,8 +18,8 @@ interpreter exit (threads joined, ``atexit`` handlers, buffers flushed). It is n
 why only operator and test code uses it; where that shows:
 
 - The environment variables read at import time are the zygote's: ``forks(cmd, env)`` says whether a child's
-  environment agrees with the zygote's on all of them (``IMPORT_TIME_PREFIXES``); ``LocalSwarm`` starts the others
-  as fresh processes.
+  environment agrees with the zygote's on all of them (``IMPORT_TIME_PREFIXES``; hivemind's log level as the CLI
+  sets it, ``AS_THE_CLI_SETS``); ``LocalSwarm`` starts the others as fresh processes.
 - Its standard streams are the zygote's Python objects on the child's file descriptors, made for a file or a pipe:
   a command on a terminal (line-buffered output, a progress bar) must be started as a fresh process.
 - Its parent is the zygote, which reaps it and tells the caller its exit status over the connection the child was
@@ -56,9 +56,15 @@ optimizer), imported once in the zygote (by name: it runs the command line, it d
 IMPORT_TIME_PREFIXES = ("HIVEMIND_", "OMP_", "MKL_", "PYTHON", "TORCH", "CUDA", "LD_")
 """Environment variables read as modules are imported (hivemind's logging and memory sharing, torch's threads and
 devices, the interpreter's own): a child must agree with the zygote on every one of them."""
+AS_THE_CLI_SETS = {"HIVEMIND_LOGLEVEL": "WARNING"}
+"""What ``diloco-peer`` puts in its environment, where unset, before it imports hivemind (``cli._setup_logging``):
+the zygote imports hivemind with it, and a child's environment without it counts as one with it. (``-v`` sets
+DEBUG instead: a command with it starts fresh.)"""
 LOST = 255
 """``Forked.returncode`` when the zygote died before the child: its exit status is unknown."""
 MAX_REQUEST = 1 << 20
+CLONE_NEWNET = 0x40000000
+"""``setns``'s flag for a network namespace (``<sched.h>``)."""
 READY = "zygote ready"
 """The line the zygote prints once it has imported ``PRELOAD`` and listens."""
 
@@ -114,14 +120,16 @@ class Zygote:
     @classmethod
     def start(cls, env: Mapping[str, str] | None = None, timeout: float = 120.0) -> Zygote:
         """Start a zygote with ``env`` (default: ours) and wait until it has imported everything and listens."""
-        env = dict(os.environ if env is None else env)
+        env = {**AS_THE_CLI_SETS, **(os.environ if env is None else env)}
         path = Path(tempfile.mkdtemp(prefix="diloco-zygote-")) / "socket"
         proc = subprocess.Popen([sys.executable, "-m", "diloco_peer.tools.zygote", str(path)], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True, text=True)
+        zygote = cls(proc, path, env)
         if not select.select([proc.stdout], [], [], timeout)[0] or proc.stdout.readline().strip() != READY:
             proc.kill()
-            raise RuntimeError(f"the zygote did not start within {timeout:g}s (exit code {proc.poll()})")
-        return cls(proc, path, env)
+            zygote.close()
+            raise RuntimeError(f"the zygote did not start within {timeout:g}s (exit code {proc.returncode})")
+        return zygote
 
     def __enter__(self) -> Zygote:
         return self
@@ -133,17 +141,20 @@ class Zygote:
         """Whether ``cmd`` is a command the zygote runs (this Python, ``-m MODULE`` or a script) and ``env`` one it
         can give it: the zygote is alive, and the variables read at import time are the same as its own."""
         def at_import(variables: Mapping[str, str]) -> dict[str, str]:
-            return {k: v for k, v in variables.items() if k.startswith(IMPORT_TIME_PREFIXES)}
+            return {k: v for k, v in {**AS_THE_CLI_SETS, **variables}.items() if k.startswith(IMPORT_TIME_PREFIXES)}
         runs = len(cmd) >= 2 and cmd[0] == sys.executable and (cmd[1] == "-m" and len(cmd) >= 3 or
                                                                cmd[1].endswith(".py"))
-        return runs and self.proc.poll() is None and at_import(env) == at_import(self.env)
+        verbose = bool({"-v", "--verbose"} & set(cmd))
+        return runs and not verbose and self.proc.poll() is None and at_import(env) == at_import(self.env)
 
-    def spawn(self, cmd: Sequence[str], stdout, env: Mapping[str, str], cwd: str | Path, stderr=None) -> Forked:
+    def spawn(self, cmd: Sequence[str], stdout, env: Mapping[str, str], cwd: str | Path, stderr=None,
+              netns: str = "") -> Forked:
         """Fork ``cmd`` (see ``forks``) with its output to the file ``stdout``, its errors to ``stderr`` (default:
-        the same file), stdin from /dev/null."""
+        the same file), stdin from /dev/null; in the network namespace ``netns`` if one is named (root), as
+        ``ip netns exec`` puts a command there."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         conn.connect(str(self.path))
-        request = json.dumps({"argv": list(cmd[1:]), "env": dict(env), "cwd": str(cwd)}).encode()
+        request = json.dumps({"argv": list(cmd[1:]), "env": dict(env), "cwd": str(cwd), "netns": netns}).encode()
         with open(os.devnull) as stdin:
             fds = array.array("i", [stdin.fileno(), stdout.fileno(), (stderr or stdout).fileno()])
             conn.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
@@ -154,16 +165,16 @@ class Zygote:
         return Forked(list(cmd), int(reply), conn)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        with contextlib.suppress(OSError):
             self.proc.stdin.close()  # its signal to exit
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.proc.stdout.close()
         with contextlib.suppress(OSError):
-            self.path.unlink()
+            self.path.unlink(missing_ok=True)
             self.path.parent.rmdir()
 
 
@@ -220,6 +231,8 @@ def become(request: dict) -> None:
     """In the forked child: take the command's streams, session, directory and environment, and run it as
     ``python ARGV`` would (``-m MODULE ARGS`` or ``SCRIPT ARGS``); its ``sys.exit`` ends the child."""
     os.setsid()
+    if request["netns"]:
+        _enter_network_namespace(request["netns"])
     stdin, stdout, stderr = request["fds"]
     for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
         os.dup2(fd, target)
@@ -240,6 +253,21 @@ def become(request: dict) -> None:
         sys.argv = list(argv)
         sys.path[0] = str(Path(argv[0]).resolve().parent)  # (as ``python SCRIPT``: the script's directory first)
         runpy.run_path(argv[0], run_name="__main__")
+
+
+def _enter_network_namespace(name: str) -> None:
+    """Move this process into the network namespace ``ip netns add NAME`` made, as ``ip netns exec`` does (not its
+    remount of /sys nor its /etc/netns files: what runs here reads neither). A forked child has one thread, so the
+    whole process moves, and every process it starts is born there."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot enter network namespace {name}")
+    finally:
+        os.close(fd)
 
 
 def main(argv: list[str]) -> int:
