@@ -13,8 +13,8 @@ and the peers' memory: each peer's process tree (peer, DHT and averager processe
 **The round gate at hundreds of peers** (``--publishers``): N progress records published under one run by DHT
 nodes of this process (``--nodes`` of them, N / nodes signers each, ``ManySigners``: what a reader pays depends on the
 records under the key, not on who stores them), and a gate that reads them as a waiting peer does
-(``SwarmProgress.swarm_records``) for ``--gate-seconds``, polling as ``SwarmProgress._nap`` does. Per N: the bytes
-one read returns, its seconds, the reads of one gate's wait, and so the bytes one peer reads in a round's gate.
+(``SwarmProgress.swarm_records``) for ``--gate-seconds``, polling as ``SwarmProgress.poll_interval`` says. Per N: the
+bytes one read returns, its seconds, the reads of one gate's wait, and so the bytes one peer reads in a round's gate.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ async def gate_cost(publishers: int, nodes: int, seconds: float) -> dict:
             latencies.append(time.monotonic() - before)
             sizes.append(len(pickle.dumps({k: v for k, v in entries.items()})))
             found = max(found, len(entries))
-            await reader._nap(found, started)
+            await asyncio.sleep(reader.poll_interval(found, time.monotonic() - started))
         return {"publishers": publishers, "stored": stored, "records_read": found, "reads": len(sizes),
                 "bytes_per_read": statistics.median(sizes), "read_seconds": statistics.median(latencies),
                 "bytes_per_gate": sum(sizes), "gate_seconds": seconds}
