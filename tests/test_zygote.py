@@ -74,6 +74,8 @@ def test_a_local_swarm_forks_what_the_zygote_serves_and_starts_the_rest_fresh(tm
     # where unset, the level is the one the CLI sets before it imports hivemind
     unset = {k: v for k, v in os.environ.items() if k != "HIVEMIND_LOGLEVEL"}
     assert zygote.forks(diloco_command("--version"), unset) == (level == "WARNING")
+    # torch's cache directory, which torch sets itself once something has compiled, is no difference
+    assert zygote.forks(diloco_command("--version"), {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
 
 
 def test_a_script_runs_as_its_own_main_in_the_network_namespace_it_is_given(tmp_path, zygote):

@@ -55,7 +55,10 @@ PRELOAD = ("uvloop", "hivemind", "torch.optim", "torch._dynamo", "diloco_peer.cl
 optimizer), imported once in the zygote (by name: it runs the command line, it does not depend on it)."""
 IMPORT_TIME_PREFIXES = ("HIVEMIND_", "OMP_", "MKL_", "PYTHON", "TORCH", "CUDA", "LD_")
 """Environment variables read as modules are imported (hivemind's logging and memory sharing, torch's threads and
-devices, the interpreter's own): a child must agree with the zygote on every one of them."""
+devices, the interpreter's own): a child must agree with the zygote on every one of them..."""
+SET_AT_RUN_TIME = ("TORCHINDUCTOR_CACHE_DIR",)
+"""... but these, which torch puts in a process's environment itself (its default cache directory, the first time
+something compiles: a test that ran before the child was started had set it in CI)."""
 AS_THE_CLI_SETS = {"HIVEMIND_LOGLEVEL": "WARNING"}
 """What ``diloco-peer`` puts in its environment, where unset, before it imports hivemind (``cli._setup_logging``):
 the zygote imports hivemind with it, and a child's environment without it counts as one with it. (``-v`` sets
@@ -141,7 +144,8 @@ class Zygote:
         """Whether ``cmd`` is a command the zygote runs (this Python, ``-m MODULE`` or a script) and ``env`` one it
         can give it: the zygote is alive, and the variables read at import time are the same as its own."""
         def at_import(variables: Mapping[str, str]) -> dict[str, str]:
-            return {k: v for k, v in {**AS_THE_CLI_SETS, **variables}.items() if k.startswith(IMPORT_TIME_PREFIXES)}
+            return {k: v for k, v in {**AS_THE_CLI_SETS, **variables}.items()
+                    if k.startswith(IMPORT_TIME_PREFIXES) and k not in SET_AT_RUN_TIME}
         runs = len(cmd) >= 2 and cmd[0] == sys.executable and (cmd[1] == "-m" and len(cmd) >= 3 or
                                                                cmd[1].endswith(".py"))
         verbose = bool({"-v", "--verbose"} & set(cmd))
