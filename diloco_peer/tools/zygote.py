@@ -206,7 +206,8 @@ def serve(path: str) -> dict:
             for fd in fds:
                 os.close(fd)
             clients[pid] = conn
-            conn.send(str(pid).encode())
+            with contextlib.suppress(OSError):  # (a client that went away: its child runs, and is reaped, anyway)
+                conn.send(str(pid).encode())
         _reap(clients)
 
 
