@@ -82,8 +82,8 @@ def test_a_script_runs_as_its_own_main_in_the_network_namespace_it_is_given(tmp_
     require_namespaces()
     script = tmp_path / "links.py"
     script.write_text("import sys\n"
-                      "links = sorted(line.split(':')[0].strip() for line in open('/proc/self/net/dev').readlines()[2:])\n"
-                      "print(__name__, sys.argv[1:], links)\n")
+                      "lines = open('/proc/self/net/dev').readlines()[2:]\n"
+                      "print(__name__, sys.argv[1:], sorted(line.split(':')[0].strip() for line in lines))\n")
     name = f"zygote-test-{os.getpid()}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
