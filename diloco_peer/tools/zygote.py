@@ -41,6 +41,7 @@ import json
 import os
 import runpy
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -102,10 +103,10 @@ class Forked:
                 os.kill(self.pid, signum)
 
     def terminate(self) -> None:
-        self.send_signal(15)
+        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
     def _collect(self) -> None:
         message = self._conn.recv(64)
