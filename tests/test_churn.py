@@ -131,18 +131,25 @@ def test_chaos_kills_leaves_and_joins_the_survivors_end_identical(local_swarm):
     # loss went down through the churn
     start = next(e for e in local_swarm.events("p0") if e["event"] == "start")
     assert at_last["p0"]["eval_loss"] < start["eval_loss"] - 1.0
-    # the newcomer and the restarted peer caught up by state sync, the restarted one from its checkpoint
-    for name in ("p5", "p1"):
-        syncs = [e for e in local_swarm.events(name) if e["event"] == "sync" and e["ok"]]
-        assert syncs and syncs[0]["bytes"] > 0, f"{name} never synced"
+    # the newcomer caught up by state sync
+    syncs = [e for e in local_swarm.events("p5") if e["event"] == "sync" and e["ok"]]
+    assert syncs and syncs[0]["bytes"] > 0, "p5 never synced"
     assert 0 < first["first_contribution_seconds"] < 120
     # the restarted peer resumed from its newest complete checkpoint (the one being written when it was killed
     # may or may not have made it)
     p1_events = local_swarm.events("p1")
     p1_starts = [i for i, e in enumerate(p1_events) if e["event"] == "start"]
     saved = [e["epoch"] for e in p1_events[:p1_starts[1]] if e["event"] == "checkpoint"]
-    assert len(p1_starts) == 2 and p1_events[p1_starts[1]]["resumed_from"], p1_events[p1_starts[1]]
-    assert p1_events[p1_starts[1]]["epoch"] >= max(saved), (saved, p1_events[p1_starts[1]])
+    restart = p1_events[p1_starts[1]]
+    assert len(p1_starts) == 2 and restart["resumed_from"], restart
+    assert restart["epoch"] >= max(saved), (saved, restart)
+    # then it caught up by state sync, unless it was back before the swarm finished its next round: then its
+    # checkpoint held the swarm's weights and it averaged at once (forked from a warm process, it restarts in
+    # about half a second: seen in a suite run here)
+    p1_synced = any(e["event"] == "sync" and e["ok"] and e["bytes"] > 0 for e in p1_events[p1_starts[1]:])
+    swarm_at = {e["param_sha256"] for n in ("p0", "p5") for e in _rounds(local_swarm, n)
+                if e["round"] == restart["epoch"]}
+    assert p1_synced or restart["param_sha256"] in swarm_at, (restart, swarm_at)
     # every graceful leaver wrote its checkpoint and said goodbye
     for name in ("p0", "p1", "p2", "p5"):
         events = local_swarm.events(name)
