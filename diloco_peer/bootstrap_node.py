@@ -196,7 +196,9 @@ async def start_relay(cfg: SwarmConfig, initial_peers: list[str], starts: int = 
 
 async def run_status(bootstrap: list[str], run_id: str, as_json: bool, wait: float, secret_file: str = "") -> int:
     """``diloco-peer status``: join the DHT as a client, print the swarm's table, leave."""
-    cfg = SwarmConfig(host_maddrs=["/ip4/0.0.0.0/tcp/0"], startup_timeout=max(wait, 1.0), secret_file=secret_file)
+    # the local p2pd's start only (an unreachable swarm is told by the join, in seconds): a loaded machine took over
+    # a second to start it, which had made `status --wait 1` fail as if the node could not run here
+    cfg = SwarmConfig(host_maddrs=["/ip4/0.0.0.0/tcp/0"], startup_timeout=max(wait, 10.0), secret_file=secret_file)
     dht = await hivemind_calls.call(start_dht, cfg, bootstrap, client_mode=True)
     try:
         add_progress_validators(dht, run_id)
