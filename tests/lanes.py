@@ -68,9 +68,9 @@ def main(extra: list[str]) -> int:
 
 
 def _lower_session_priority(pid: int) -> None:
-    """Where the kernel groups processes by session for the scheduler (``sched_autogroup``, on in most desktop and
-    CI kernels), ``nice`` weighs a process only against its own session, and each swarm peer runs in a session of
-    its own: the unit lane, in a session of its own too, gets its whole session niced instead."""
+    """Where the kernel groups processes by session for the scheduler (``sched_autogroup``, on in this machine's
+    kernel), ``nice`` weighs a process only against its own session, and each swarm peer runs in a session of its
+    own: the unit lane, in a session of its own too, gets its whole session niced instead."""
     with contextlib.suppress(OSError):
         Path(f"/proc/{pid}/autogroup").write_text(str(UNIT_NICENESS))
 
