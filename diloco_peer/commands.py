@@ -218,7 +218,8 @@ def join(args: argparse.Namespace) -> int:
     from .swarm.run_config import Joiner, adopt_swarm_config, owners_of
 
     load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
-    joiner = Joiner(cfg, stated_keys(args.config, overrides), args.config, owners_of(args.bootstrap), check)
+    joiner = Joiner(cfg, stated_keys(args.config, overrides), args.config, owners_of(args.bootstrap), check,
+                    addresses=list(args.bootstrap))
     return uvloop.run(PeerDaemon(cfg, args.bootstrap, args.name or "", owns_process=True,
                                  adopt=partial(adopt_swarm_config, joiner=joiner)).run())
 

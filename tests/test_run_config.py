@@ -22,7 +22,7 @@ from diloco_peer.config.swarm_wide import swarm_part
 from diloco_peer.swarm import run_config
 from diloco_peer.swarm.addresses import BootstrapUnreachable
 from diloco_peer.swarm.owner_key import ED25519, RSA, OwnerKey, encode_key, peer_id_of
-from diloco_peer.swarm.run_config import ForgedRecord, Joiner, check_record, sign_record
+from diloco_peer.swarm.run_config import ForgedRecord, Joiner, check_record, owners_of, sign_record
 
 OWNER_SETS = ["outer.inner_steps=10", "averaging.heartbeat=1.0", "data.max_bytes=1_000_000"]
 
@@ -248,6 +248,27 @@ def test_adoption_takes_the_owners_config_and_checks_it_for_this_machine(keys):
     cfg, _, checked = adopted(dht, [keys.owner.peer_id], None, "inner.batch_size=2")
     assert (cfg.outer.inner_steps, cfg.inner.batch_size) == (10, 2)
     assert checked == [(cfg, "tiny-cpu")]
+
+
+def test_a_joiner_whose_owner_restarted_joins_it_again_and_takes_its_config(keys, monkeypatch):
+    """The joiner reached the owner's node, which then restarted (its relay check failed): our DHT knew nobody to
+    read from until it joined the bootstrap addresses again (seen in a suite run: 30 s of empty reads, exit 3)."""
+    record = sign_record(keys.owner, swarm_part(owner_config()), "tiny-cpu", 1000.0)
+    dht = FakeDHT({})
+    joins = []
+
+    def join_again(node, addresses):
+        joins.append(list(addresses))
+        if len(joins) == 1:  # the owner's node is still starting again
+            raise BootstrapUnreachable("none of the initial peers answered")
+        node.entries[keys.owner.peer_id] = record  # reachable again: our reads find its record
+
+    monkeypatch.setattr(run_config, "REJOIN_SECONDS", 0.05)
+    monkeypatch.setattr(run_config, "join_dht_peers", join_again)
+    address = f"/ip4/127.0.0.1/tcp/9/p2p/{keys.owner.peer_id}"
+    asked = Joiner(load_config(None, []), {}, None, owners_of([address]), lambda *c: None, addresses=[address])
+    cfg = asyncio.run(run_config.adopt_swarm_config(dht, lambda: False, asked))
+    assert cfg.outer.inner_steps == 10 and joins == [[address], [address]]
 
 
 def test_adoption_without_a_record_fails_and_with_a_no_config_record_keeps_its_own(keys, monkeypatch):

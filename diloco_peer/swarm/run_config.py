@@ -24,11 +24,12 @@ without ``--config``): each peer brings its own, as before.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hivemind.dht import DHT
 from hivemind.dht.routing import DHTID
@@ -41,6 +42,7 @@ from ..config import DEFAULT_CONFIG, ConfigError, PeerConfig
 from ..config.swarm_wide import adopt, flatten, shown
 from ..lifecycle import hivemind_calls
 from .addresses import BootstrapUnreachable
+from .join import join_dht_peers
 from .owner_key import OwnerKey, peer_id_of, verify
 
 logger = logging.getLogger(__name__)
@@ -214,11 +216,13 @@ async def fetch_run_configs(dht: DHT, owners: list[str]) -> list[RunConfigRecord
 
 
 async def wait_for_run_config(dht: DHT, owners: list[str], wait: float, should_stop: Callable[[], bool],
-                              poll: float = 0.5) -> list[RunConfigRecord] | None:
+                              poll: float = 0.5, addresses: list[str] = ()) -> list[RunConfigRecord] | None:
     """``fetch_run_configs`` until one of ``owners`` answers, for up to ``wait`` seconds (a line every 10 s says
-    so); [] if none did, None if ``should_stop()`` turned true meanwhile."""
+    so); [] if none did, None if ``should_stop()`` turned true meanwhile. Every ``REJOIN_SECONDS`` without an answer
+    it joins ``addresses`` (the owners' bootstrap addresses) again: the node it reached may have restarted since
+    (a bootstrap restarts its node when its relay check fails), and then our DHT knows nobody to read from."""
     started = time.monotonic()
-    shown = started
+    shown = rejoined = started
     while not should_stop():
         try:
             records = await fetch_run_configs(dht, owners)
@@ -227,6 +231,10 @@ async def wait_for_run_config(dht: DHT, owners: list[str], wait: float, should_s
         waited = time.monotonic() - started
         if records or waited >= wait:
             return records
+        if addresses and time.monotonic() - rejoined >= REJOIN_SECONDS:
+            rejoined = time.monotonic()
+            with contextlib.suppress(BootstrapUnreachable):  # down for now: the next try may find it
+                await hivemind_calls.call(join_dht_peers, dht, list(addresses))
         if time.monotonic() - shown >= 10:
             shown = time.monotonic()
             logger.info(f"still waiting for the swarm's config ({waited:.0f}s of {wait:g}s)")
@@ -244,6 +252,7 @@ class Joiner:
     :param owners: the peer ids of the addresses it joins through (``owners_of``)
     :param check: ``check(cfg, name)`` raises if config ``cfg`` cannot run here (its data, its memory: the CLI's
       checks); called on the config it adopts, unless that is ``local``, which was checked before joining
+    :param addresses: the bootstrap addresses it joins through, joined again while no record comes
     """
 
     local: PeerConfig
@@ -251,10 +260,13 @@ class Joiner:
     config: str | None
     owners: list[str]
     check: Callable[[PeerConfig, str], None]
+    addresses: list[str] = field(default_factory=list)
 
 
 WAIT = 30.0
 """Seconds a ``join`` without ``--config`` waits for its owners' config record (then it gives up, exit 3)."""
+REJOIN_SECONDS = 5.0
+"""Seconds without a config record after which a joiner joins its bootstrap addresses again."""
 WAIT_WITH_CONFIG = 5.0
 """Seconds a ``join --config`` looks for one to check its config against (then it trains with its own)."""
 
@@ -281,7 +293,7 @@ async def adopt_swarm_config(dht: DHT, should_stop: Callable[[], bool], joiner: 
     add_run_config_validator(dht)
     wait = WAIT_WITH_CONFIG if joiner.config else WAIT
     logger.info(f"asking the swarm's owner ({', '.join(joiner.owners)}) for the swarm's config (up to {wait:g}s)")
-    records = await wait_for_run_config(dht, joiner.owners, wait, should_stop)
+    records = await wait_for_run_config(dht, joiner.owners, wait, should_stop, addresses=joiner.addresses)
     if records is None:
         return None
     if not records and not joiner.config:
