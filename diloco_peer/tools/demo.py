@@ -3,9 +3,10 @@
     diloco-peer demo --peers 3 --rounds 5 --summary-json runs/demo/summary.json
 
 It starts one bootstrap node and N peers, each exactly what ``diloco-peer bootstrap`` / ``join`` run,
-talking over loopback (forked from a zygote that imported torch and hivemind once: ``zygote.py``). Peers get distinct data shards and leave by themselves after ``--rounds`` outer
-rounds (``run.max_rounds``); the demo follows their event logs for live progress, then stops the
-bootstrap, prints a per-round table, writes ``summary.json`` and ``loss.png`` into ``--out``.
+talking over loopback (forked from a zygote that imported torch and hivemind once: ``zygote.py``). Peers get
+distinct data shards and leave by themselves after ``--rounds`` outer rounds (``run.max_rounds``); the demo
+follows their event logs for live progress, then stops the bootstrap, prints a per-round table, writes
+``summary.json`` and ``loss.png`` into ``--out``.
 
 Nothing it starts outlives it. SIGTERM, SIGINT or SIGHUP: it stops the swarm (``_DemoSwarm.stop``), removes
 the NAT namespaces and exits 130; a second signal kills everything at once. If the demo is SIGKILLed, its
