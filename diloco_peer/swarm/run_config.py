@@ -28,7 +28,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from hivemind.dht import DHT
@@ -216,7 +216,7 @@ async def fetch_run_configs(dht: DHT, owners: list[str]) -> list[RunConfigRecord
 
 
 async def wait_for_run_config(dht: DHT, owners: list[str], wait: float, should_stop: Callable[[], bool],
-                              poll: float = 0.5, addresses: list[str] = ()) -> list[RunConfigRecord] | None:
+                              poll: float = 0.5, addresses: Sequence[str] = ()) -> list[RunConfigRecord] | None:
     """``fetch_run_configs`` until one of ``owners`` answers, for up to ``wait`` seconds (a line every 10 s says
     so); [] if none did, None if ``should_stop()`` turned true meanwhile. Every ``REJOIN_SECONDS`` without an answer
     it joins ``addresses`` (the owners' bootstrap addresses) again: the node it reached may have restarted since
