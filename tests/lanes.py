@@ -19,11 +19,7 @@ others carry the mark themselves. Then:
 
 The suite is CPU-bound: a test moved from one lane to the other lengthens that lane by about what it shortens
 this one, so the lanes are arranged for bounds that hold, and the swarm lane, the longer one, decides the suite's
-time. The unit lane runs at a lower CPU priority (``UNIT_NICENESS``): the swarm lane alone wants more than one
-core at times (a dozen peers, a demo), and left to share the cores evenly it waited on the unit lane, then ran on
-alone with a core idle once the unit lane was done. Niced, the unit lane takes what the swarm lane leaves, the
-swarm lane's bounds see less load, and both end closer together. What each arrangement measured: BENCHMARKS.md,
-"The test suite's two lanes".
+time. What each arrangement measured: BENCHMARKS.md, "The test suite's two lanes".
 
 The swarm lane's output streams live; the unit lane's is written to a log and printed after it. The exit status
 is the worse of the two. Extra arguments go to both lanes (e.g. ``-x``). ``pytest`` alone still runs the whole
@@ -32,7 +28,6 @@ suite in one process.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -47,11 +42,9 @@ def main(extra: list[str]) -> int:
     pytest = [sys.executable, "-m", "pytest", "-q", "--durations=0", "--durations-min=5", *extra]
     started = time.monotonic()
     with tempfile.TemporaryFile("w+") as unit_log:
-        units = subprocess.Popen(["nice", "-n", str(UNIT_NICENESS), *pytest, "-m", "not slow or light",
-                                  "-p", "no:cacheprovider"], cwd=root,
-                                 stdout=unit_log, stderr=subprocess.STDOUT, start_new_session=True,
+        units = subprocess.Popen([*pytest, "-m", "not slow or light", "-p", "no:cacheprovider"], cwd=root,
+                                 stdout=unit_log, stderr=subprocess.STDOUT,
                                  env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
-        _lower_session_priority(units.pid)
         try:
             swarm_rc = subprocess.call([*pytest, "-m", "slow and not light"], cwd=root)
             unit_rc = units.wait()
@@ -66,19 +59,6 @@ def main(extra: list[str]) -> int:
         return max(rc for rc in (swarm_rc, unit_rc) if rc != NO_TESTS)
     return max(swarm_rc, unit_rc)
 
-
-def _lower_session_priority(pid: int) -> None:
-    """Where the kernel groups processes by session for the scheduler (``sched_autogroup``, on in this machine's
-    kernel), ``nice`` weighs a process only against its own session, and each swarm peer runs in a session of its
-    own: the unit lane, in a session of its own too, gets its whole session niced instead."""
-    with contextlib.suppress(OSError):
-        Path(f"/proc/{pid}/autogroup").write_text(str(UNIT_NICENESS))
-
-
-UNIT_NICENESS = 5
-"""The unit lane's ``nice``: the scheduler weighs a session at 5 a third of one at 0 when the cores are busy, and
-gives it all of an idle core. At 10 (a tenth) the unit lane's own time-bound tests starved while a dozen peers
-trained beside them (3 failures in a run: BENCHMARKS.md, "The test suite's two lanes")."""
 
 NO_TESTS = 5
 """pytest's exit status when it collected no test."""
