@@ -12,7 +12,6 @@ import types
 import pytest
 import torch
 from conftest import FAST, forked_client
-from hivemind.averaging.load_balancing import load_balance_peers
 
 from diloco_peer.averaging.allreduce import ExactAllReduceRunner
 from diloco_peer.averaging.averager import RoundAverager
@@ -26,11 +25,9 @@ from diloco_peer.averaging.robust_aggregation import (
     SORTING_NETWORK_MAX,
     aggregate,
     all_finite,
-    capped_bandwidths,
     check_arrival,
     check_average,
     coordinate_median,
-    paced_bandwidths,
     refuse_update,
     vector_norm,
 )
@@ -280,16 +277,6 @@ def test_a_repeat_offender_is_banned_for_a_while():
     assert not bans.is_banned("bad")
 
 
-def test_a_peer_declaring_a_huge_bandwidth_does_not_get_to_reduce_the_whole_vector():
-    assert capped_bandwidths([None, None, None]) == [None, None, None]  # nobody declared: equal shares
-    assert capped_bandwidths([10.0, 12.0, 1e12]) == [10.0, 12.0, 12.0]  # at most the median
-    assert capped_bandwidths([10.0, 0.0, 1e12, None]) == [10.0, 0.0, 10.0, None]  # client-mode zeros stay
-    fractions = load_balance_peers(10_000, capped_bandwidths([10.0, 10.0, 1e12]), 0)
-    assert max(fractions) < 0.34 * 10_000, fractions  # an equal share
-    assert max(load_balance_peers(10_000, [10.0, 10.0, 1e12], 0)) == 10_000  # uncapped: the liar reduces all
-    assert max(load_balance_peers(10_000, [10.0, 10.0, 40.0], 0)) == 10_000  # even at only 4x
-
-
 def test_the_whole_update_is_refused_if_non_finite_or_huge():
     own = [torch.ones(10), torch.ones(3, 3)]
     norm = vector_norm(own)
@@ -494,21 +481,3 @@ def test_a_reducer_that_trained_few_steps_takes_the_heavier_honest_parts_and_sti
     long = {**parts, 4: (50 * torch.ones(4), 20.0)}
     assert [(s, p.kind) for s, p in aggregate(long, 0, limits)[1]] == [(4, "norm")]
     assert [(s, p.kind) for s, p in aggregate({0: slow, 1: (torch.ones(4), 30.0)}, 0, limits)[1]] == [(1, "weight")]
-
-
-def test_a_slower_member_reduces_a_smaller_span():
-    """A member held to a sixth of a core reducing a quarter of the vector held every round's all-reduce: the split
-    is scaled by each member's speed against the group's median member (gathered step_seconds)."""
-    assert paced_bandwidths([None, None, None, None], [0.1, 0.1, 0.1, 0.4]) == [1.0, 1.0, 1.0, 0.25]
-    assert paced_bandwidths([None, None, 0.0], [0.1, 0.1, 0.4]) == [1.0, 1.0, 0.0]  # a client reduces nothing still
-    assert paced_bandwidths([10.0, 20.0, None], [0.1, 0.2, 0.1]) == [10.0, 10.0, 15.0]
-    assert paced_bandwidths([None, None], [0.1, 0.1]) == [None, None]  # all alike: unchanged
-    assert paced_bandwidths([None, None, None], [0.1, None, 0.1]) == [None, None, None]
-    # a member claiming to be very fast counts as the median: no bigger share
-    assert paced_bandwidths([None, None, None], [1e-9, 0.1, 0.1]) == [1.0, 1.0, 1.0]
-    # a pair: either member is the median, and one that claimed fast steps would reduce nearly all: unchanged
-    assert paced_bandwidths([None, None], [1e-9, 0.1]) == [None, None]
-    # as the averager splits (declared bandwidths capped, then paced): half of the group slow still reduces less
-    # (capped after pacing, the cap, the lower median, was the slow members' and made every share equal again)
-    assert paced_bandwidths(capped_bandwidths([10.0, 10.0, 10.0, 10.0]), [0.1, 0.1, 0.5, 0.5]) == [10.0, 10.0, 2.0, 2.0]
-    assert paced_bandwidths(capped_bandwidths([1e12, 10.0, 10.0]), [0.1, 0.1, 0.5]) == [10.0, 10.0, 2.0]

@@ -217,7 +217,7 @@ class RoundAverager:
         :param nudge: peers (base58 ids) waiting at their round gates, told that the round's last peer is ready
           (``member_news.py``; their gates watch ``nudged``)
         :param step_seconds: our seconds per inner step, lately (``rounds/pace.py``), gathered: a slower member
-          reduces a smaller span (``robust_aggregation.paced_bandwidths``); None: not measured
+          reduces a smaller span (``vector_split.paced_bandwidths``); None: not measured
         """
         started = time.perf_counter()
         before = self.averager.traffic.clone()

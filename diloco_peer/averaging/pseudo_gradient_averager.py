@@ -4,7 +4,7 @@ It lives in its own process (hivemind forks it) and adds to hivemind's matchmaki
 
 - **exact results**: its groups run ``allreduce.ExactAllReduceRunner`` (averages instead of deltas, our
   codecs, byte counts, checked numbers), over a split of the vector that no member can bend by declaring a
-  huge bandwidth (``_fair_fractions``);
+  huge bandwidth, paced by its members' speeds (``vector_split.py``);
 - **who takes part** (``membership.py``): a group member or a state download must pass admission
   (``swarm/admission.py``: swarm secret, allowlist) and must not be banned (``robust_aggregation.BanList``: peers
   whose contributions were refused repeatedly); matchmaking skips leaders we refuse. Offenses cross to the host
@@ -30,7 +30,6 @@ from typing import AsyncIterator  # not collections.abc: hivemind reads the hand
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
-from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.partition import AllreduceException
 from hivemind.dht import DHT
 from hivemind.p2p import P2PContext, PeerID
@@ -43,11 +42,11 @@ from ..swarm.admission import Admission
 from ..swarm.p2pd_internals import until_the_caller_hangs_up
 from ..training.outer_optimizer import flat_tensors
 from . import hivemind_internals as internals
-from . import assembly_grace, round_log, state_transfer, traffic
+from . import assembly_grace, round_log, state_transfer, traffic, vector_split
 from .allreduce import ExactAllReduceRunner
 from .member_news import MemberNews
 from .membership import Membership
-from .robust_aggregation import BanList, Limits, capped_bandwidths, paced_bandwidths
+from .robust_aggregation import BanList, Limits
 
 logger = logging.getLogger(__name__)
 
@@ -281,30 +280,20 @@ class PseudoGradientAverager(DecentralizedAverager):
     # --- the all-reduce
 
     def _fair_fractions(self, group_info) -> tuple[int, ...]:
-        # hivemind's split of the vector, but from capped declared bandwidths (robust_aggregation.capped_bandwidths)
-        # and members behind a relay reduce nothing when a direct member can: relayed bytes are slow and scarce
-        bandwidths = []
-        modes = []
-        relayed = []
-        paces = []
+        # hivemind's split of the vector, but not by what members declare alone: vector_split.py
+        members = []
         for gathered in group_info.gathered:
             bandwidth, mode, user = self.serializer.loads(gathered)
-            bandwidths.append(bandwidth)
-            modes.append(AveragingMode(mode))
+            client = AveragingMode(mode) == AveragingMode.CLIENT
             try:
                 fields = self.serializer.loads(user)
-                relayed.append(fields.get("relayed") is True)
                 pace = fields.get("step_seconds")
-                paces.append(float(pace) if isinstance(pace, (int, float)) and pace == pace else None)
+                members.append(vector_split.Member(
+                    bandwidth, client, relayed=fields.get("relayed") is True,
+                    step_seconds=float(pace) if isinstance(pace, (int, float)) and pace == pace else None))
             except Exception:  # not our gather format: Membership.refusal deals with such a member
-                relayed.append(False)
-                paces.append(None)
-        reducing = [m != AveragingMode.CLIENT for m in modes]
-        if any(r and not x for r, x in zip(reducing, relayed)):
-            reducing = [r and not x for r, x in zip(reducing, relayed)]
-        # capped as declared, then paced: capping the paced ones at their median undid the pace where half were slow
-        paced = paced_bandwidths(capped_bandwidths([b if r else 0.0 for b, r in zip(bandwidths, reducing)]), paces)
-        return load_balance_peers(self.total_size, paced, self.allreduce_kwargs["min_vector_size"])
+                members.append(vector_split.Member(bandwidth, client))
+        return vector_split.split(self.total_size, members, self.allreduce_kwargs["min_vector_size"])
 
     def _member_limits(self, group_info) -> Limits:
         """Our checks of this group's averages: ``Limits.for_member``, by the tokens each member gathered."""

@@ -240,53 +240,6 @@ def check_average(averaged: torch.Tensor, own_part: torch.Tensor, limits: Limits
                                                f"(averaging.min_cosine={limits.min_cosine:g})")
 
 
-MAX_BANDWIDTH_RATIO = 1.0
-"""A peer's declared bandwidth counts at most this many times the group's median when the vector is split:
-declaring less lowers a slow peer's share; declaring more never raises it above the median peer's
-(hivemind's split is a linear program that hands a peer 4x faster than the rest the whole vector)."""
-
-
-def capped_bandwidths(bandwidths: list[float | None]) -> list[float | None]:
-    """Declared bandwidths with outliers capped, so that nobody reduces (and so controls) a huge span.
-
-    hivemind splits the vector among the group in proportion to the bandwidth each member *declares*; a
-    reducer answers for its span alone, so a peer declaring 1e12 MB/s would reduce nearly all of it. Every
-    peer applies this same rule to the same gathered numbers, so the group still agrees on the split.
-    """
-    declared = sorted(b for b in bandwidths if b is not None and b > 0)
-    if not declared:
-        return list(bandwidths)
-    cap = MAX_BANDWIDTH_RATIO * declared[(len(declared) - 1) // 2]
-    return [min(b, cap) if b is not None and b > 0 else b for b in bandwidths]
-
-
-MIN_PACED_GROUP = 3
-"""Members whose pace must be known before it shapes the split: in a pair the median member is either one, and a
-member that claimed fast steps would make the other reduce almost nothing (and itself almost everything)."""
-
-
-def paced_bandwidths(bandwidths: list[float | None], step_seconds: list[float | None]) -> list[float | None]:
-    """The bandwidths the vector is split by (``capped_bandwidths`` first), each member's scaled down by how much
-    slower than the group's median member it trains (its ``step_seconds``, gathered): a reducer answers its span at
-    its own pace, so a slow one reducing an equal span holds every member's all-reduce. Faster than the median counts
-    as the median (a member claiming speed gains no share); fewer than ``MIN_PACED_GROUP`` paces gathered, or all
-    alike: unchanged. Undeclared bandwidths count as the declared ones' mean (hivemind's rule), or 1."""
-    known = [s for s in step_seconds if s is not None and s > 0]
-    if len(known) < MIN_PACED_GROUP or len(set(known)) == 1:
-        return list(bandwidths)
-    median = statistics.median_low(known)
-    declared = [b for b in bandwidths if b is not None and b > 0]
-    default = sum(declared) / len(declared) if declared else 1.0
-    paced = []
-    for bandwidth, step in zip(bandwidths, step_seconds):
-        if bandwidth == 0:  # reduces nothing (client mode, relayed)
-            paced.append(bandwidth)
-            continue
-        speed = min(1.0, median / step) if step is not None and step > 0 else 1.0
-        paced.append((bandwidth if bandwidth is not None else default) * speed)
-    return paced
-
-
 def _outcome_seen(task: asyncio.Future) -> None:
     """Marks a shielded accumulation's outcome as read: its caller may be gone (asyncio would log it as lost)."""
     if not task.cancelled():
