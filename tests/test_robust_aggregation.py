@@ -367,9 +367,8 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
     (10x), so ``mean`` aggregation takes it in. Measured (bench/sign_flip.py, BENCHMARKS.md): under ``mean`` the
     honest peers' eval loss was +272% of a clean run's after round 4 (16.9 after round 5) and 2 of 3 never banned
     it. With ``robust`` aggregation (the default) the honest peers refuse its parts (``direction``), ban it, stay
-    identical, and end within 2% of the clean run (5% if rounds went otherwise than the clean run's: see the end): the
-    three honest peers alone, computed by the simulator (which computes what a swarm computes: test_simulate.py)
-    while the swarm runs.
+    identical, and end within 5% of the clean run (see the end): the three honest peers alone, computed by the
+    simulator (which computes what a swarm computes: test_simulate.py) while the swarm runs.
 
     And a ban only some peers hold: p0 bans at the first offense (``ban_after=1``, round 1), p1 and p2 would at
     the second. p0's ban must cost the others nothing: its join requests carry it, so the attacker is left out
@@ -428,15 +427,13 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
         together = [hashes for hashes in by_round if len(hashes) == len(last) and
                     all(r["outcome"] in ("averaged", "partial") for r in hashes.values())]
         assert together and len({r["param_sha256"] for r in together[-1].values()}) == 1, seen
-    # 2% of the clean run where every round went as the clean run's do: the four of round 1, then the three honest
-    # peers (13 of 13 runs here: -1.4% to +0.3%, 2026-11-27). Rounds that went otherwise (p0 sat out, or a group of
-    # p1, p2 and the attacker, which only p0 had banned) are not the clean run's rounds: 5%, which still tells a
-    # course kept from a poisoned one (+272% under mean). A CI run ended +3.0%, how its rounds went unrecorded.
-    as_clean = all([(r["outcome"], r["group_size"]) for r in seen[name]] == [("averaged", 4)] +
-                   [("averaged", 3)] * (rounds - 1) for name in seen)
+    # within 5% of the clean run, which tells a course kept from a poisoned one (+272% under mean). Most runs end
+    # within -1.4% to +0.3% (13 of 13, 2026-11-27), but not all: a run whose rounds went exactly as the clean run's
+    # (the four of round 1, then the three honest peers) ended +3.2% (2026-11-29, a fresh clone's suite), a CI run
+    # +3.0%; and rounds can go otherwise (p0 sat out, or a group of p1, p2 and the attacker, which only p0 had banned)
     loss = last[min(averaged)]["eval_loss"]
     summary = {name: [(r["outcome"], r["group_size"], round(r["eval_loss"], 3)) for r in seen[name]] for name in seen}
-    assert loss < clean[-1] * (1.02 if as_clean else 1.05), (loss, clean, summary)
+    assert loss < clean[-1] * 1.05, (loss, clean, summary)
 
 
 def test_light_contributions_are_judged_by_direction_against_ban_cosine_only():
