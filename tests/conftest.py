@@ -38,14 +38,10 @@ settings.load_profile("derandomized")
 def pytest_collection_modifyitems(items):
     """Every test that starts real peers or DHT nodes is ``slow``: ``tests/lanes.py`` runs it in the swarm lane, one
     at a time (unless it is marked ``light`` as well). Those that use these fixtures are marked here; the others that
-    start a DHT or p2pd (their own, or a ``diloco-peer`` subprocess's) say so with their own marks.
-
-    The ``busy`` ones go last (a stable sort: the rest stay in file order): by then the unit lane is done and each
-    gets both cores, where beside it it would get one; the swarm lane's waiting tests run beside the unit lane."""
+    start a DHT or p2pd (their own, or a ``diloco-peer`` subprocess's) say so with their own marks."""
     for item in items:
         if {"local_swarm", "dhts", "peers"} & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: item.get_closest_marker("busy") is not None)
 
 
 def p2pd_pids() -> set[int]:

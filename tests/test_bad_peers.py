@@ -12,7 +12,6 @@ from diloco_peer.state.checkpoint import load_file
 
 
 @pytest.mark.slow
-@pytest.mark.busy
 def test_bad_peers_are_refused_counted_and_banned_and_the_honest_ones_train_on(local_swarm):
     """Two honest peers and two bad ones (NaNs; 1000x pseudo-gradients) in one real swarm."""
     local_swarm.start_bootstrap()

@@ -109,7 +109,6 @@ def _get(url: str) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
-@pytest.mark.busy
 def test_a_real_swarm_serves_metrics_and_health_and_every_dashboard_panel_shows_its_data(local_swarm, tmp_path):
     """One swarm for both: a peer's own /healthz and /metrics after its second round (what test_metrics.py's
     in-process tests feed from events, served over HTTP by a running peer), then every dashboard panel's query on a

@@ -116,7 +116,6 @@ def _demo_tag(demo: Demo) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nat", [False, True], ids=["loopback", "nat"])
-@pytest.mark.busy
 def test_a_sigterm_stops_a_demos_whole_swarm_then_exits_130_and_a_sigkill_takes_it_along(tmp_path, nat):
     """Two demos side by side, mid-training (both peers have averaged a round): one is SIGKILLed, and every process of
     its tree (and, with ``--nat``, every namespace) and its shared memory are gone within seconds; then the other gets
@@ -366,7 +365,6 @@ def test_stop_while_joining_a_bootstrap_nobody_answers_and_bootstrap_nodes(local
 
 
 @pytest.mark.slow
-@pytest.mark.busy
 def test_stop_while_training_leaves_a_checkpoint_and_nothing_behind(local_swarm):
     """Peers in their inner steps (each alone in a run of its own), one per signal, and one SIGTERM sent to the
     peer's whole process group (systemd's stop, ``kill -- -PGID``): its children must not pass it on to the
@@ -399,7 +397,6 @@ def test_stop_while_training_leaves_a_checkpoint_and_nothing_behind(local_swarm)
 
 
 @pytest.mark.slow
-@pytest.mark.busy
 def test_stop_in_an_all_reduce_and_in_a_state_sync(local_swarm):
     """Two pairs of peers (a run each): one peer of each pair is signalled while its round's exchange is in flight
     (after its ``averaging`` event: matchmaking or all-reduce); then a newcomer joins each run and is signalled in

@@ -5,13 +5,10 @@ within the round: docs/rounds.md, "Many peers"). What a round costs at 4 to 32 p
 
 from __future__ import annotations
 
-import pytest
-
 PEERS = 12
 ROUNDS = 3
 
 
-@pytest.mark.busy
 def test_a_dozen_peers_average_every_round_in_one_group_with_identical_replicas(local_swarm):
     local_swarm.start_bootstrap()
     # the first round waits for all of them (they take a while to start, twelve on two cores); short rounds, one

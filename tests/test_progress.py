@@ -454,7 +454,6 @@ def test_banned_peers_and_claims_that_did_not_hold_stop_counting(two_dhts, attac
 
 
 @pytest.mark.slow
-@pytest.mark.busy
 def test_a_lie_present_from_the_first_second_neither_freezes_the_swarm_nor_misleads_a_late_joiner(local_swarm):
     """A forked client founds the swarm: from its first record on it claims epoch 10**6, a made-up hash and
     ``joined`` (it trains and averages honestly otherwise). It was the only joined voter: honest peers' syncs to

@@ -361,7 +361,6 @@ def test_a_bad_sender_is_dropped_counted_and_banned(dhts, poison, kind, aggregat
 
 
 @pytest.mark.slow
-@pytest.mark.busy
 def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(local_swarm):
     """A forked client (``tests/attacker.py sign_flip:9``) sends -9 times its pseudo-gradient: under the norm limit
     (10x), so ``mean`` aggregation takes it in. Measured (bench/sign_flip.py, BENCHMARKS.md): under ``mean`` the

@@ -470,7 +470,6 @@ def test_needs_sync_says_why(peers):
 
 
 @pytest.mark.slow
-@pytest.mark.busy
 def test_a_newcomer_rejects_a_corrupt_donor_and_syncs_from_an_honest_one(local_swarm, monkeypatch):
     """Two peers train together; one serves corrupt weights (finite, plausible, not matching its hash)."""
     local_swarm.start_bootstrap()
