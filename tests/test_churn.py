@@ -251,8 +251,9 @@ def test_a_straggler_does_not_hold_the_swarm_and_catches_up_by_state_sync(local_
     local_swarm.start_bootstrap()
     common = ["averaging.ready_timeout=2.0", "averaging.min_peers=3"]
     fast = [local_swarm.start_peer(f"p{i}", *common, "run.max_rounds=6") for i in range(2)]
-    # each inner step costs 12x: it falls behind by more than the fast peers wait (2 s gate + 3 s matchmaking)
-    slow = local_swarm.start_peer("slow", *common, "inner.grad_accum=12")  # runs until told
+    # each inner step costs 24x (of FAST's half batch): it falls behind by more than the fast peers wait (2 s gate + 3 s
+    # matchmaking)
+    slow = local_swarm.start_peer("slow", *common, "inner.grad_accum=24")  # runs until told
     for proc in fast:
         assert proc.wait(timeout=300) == 0
     slow.send_signal(signal.SIGTERM)
