@@ -1,7 +1,6 @@
 """How a group splits the vector among its reducers (``averaging/vector_split.py``): nobody grabs a huge span by
 what it declares, a slow member reduces less, members behind a relay and clients reduce nothing."""
 
-import pytest
 from hivemind.averaging.load_balancing import load_balance_peers
 
 from diloco_peer.averaging.vector_split import (
