@@ -38,7 +38,7 @@ def test_a_throttled_peer_trains_fewer_steps_is_averaged_every_round_and_nobody_
             "averaging.ready_timeout=240", "checkpoint.dir=''", "data.eval_batches=1"]
     with cpu_quota("test-unequal-slow", 0.2) as group:
         # the slow peer starts at full speed (at a fifth of a core its start took ~20 s, all of it spent waiting by
-        # the fast peers at their first gate), then trains at a fifth of a core from its first round on
+        # the fast peers at their first gate), then trains at a fifth of a core from its first step on
         limit(group, None)
         peers = {"fast1": local_swarm.start_peer("fast1", *sets),
                  "fast2": local_swarm.start_peer("fast2", *sets),
