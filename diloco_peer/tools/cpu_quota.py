@@ -48,28 +48,18 @@ def cpu_quota(name: str, cores: float) -> Iterator[Path]:
     v1 = (CGROUP_ROOT / "cpu" / "cpu.cfs_quota_us").exists()
     group = (CGROUP_ROOT / "cpu" / name) if v1 else (CGROUP_ROOT / name)
     group.mkdir(exist_ok=True)
-    try:
-        limit(group, cores)
-        yield group
-    finally:
-        _remove(group)
-
-
-def limit(group: Path, cores: float | None) -> None:
-    """Holds ``group`` (a ``cpu_quota``'s) to ``cores`` from now on; None: no limit (a test's slow peer can start at
-    full speed, then slow down)."""
-    if cores is not None and cores <= 0:
-        raise ValueError(f"cores={cores}: give a positive share of a core, e.g. 0.15")
-    v1 = (group / "cpu.cfs_quota_us").exists()
-    period = PERIOD_US if cores is None else max(PERIOD_US, int(MIN_QUOTA_US / cores))
-    quota = None if cores is None else max(MIN_QUOTA_US, int(cores * period))
+    period = max(PERIOD_US, int(MIN_QUOTA_US / cores))
+    quota = max(MIN_QUOTA_US, int(cores * period))
     if v1:
         (group / "cpu.cfs_quota_us").write_text("-1")  # (a period shorter than the quota in place is refused)
         (group / "cpu.cfs_period_us").write_text(str(period))
-        if quota is not None:
-            (group / "cpu.cfs_quota_us").write_text(str(quota))
+        (group / "cpu.cfs_quota_us").write_text(str(quota))
     else:
-        (group / "cpu.max").write_text(f"{'max' if quota is None else quota} {period}")
+        (group / "cpu.max").write_text(f"{quota} {period}")
+    try:
+        yield group
+    finally:
+        _remove(group)
 
 
 def _remove(group: Path, timeout: float = 15.0) -> None:
