@@ -179,9 +179,9 @@ def aggregate(parts: dict[int, tuple[torch.Tensor, float]], own: int | None,
                                                              f"{whose} (averaging.max_weight_ratio="
                                                              f"{limits.max_weight_ratio:g})")))
             elif limits.max_update_ratio and norms[s] > limits.max_update_ratio * max(norm_ref, 1e-12):
-                refused.append((s, BadContribution("norm", f"part norm {norms[s]:.3g} is "
-                                                           f"{norms[s] / max(norm_ref, 1e-12):.0f}x {whose} "
-                                                           f"(averaging.max_update_ratio={limits.max_update_ratio:g})")))
+                why = (f"part norm {norms[s]:.3g} is {norms[s] / max(norm_ref, 1e-12):.0f}x {whose} "
+                       f"(averaging.max_update_ratio={limits.max_update_ratio:g})")
+                refused.append((s, BadContribution("norm", why)))
     kept = {s: pw for s, pw in parts.items() if s not in {r for r, _ in refused}}
     if limits.robust and own in kept and len(kept) >= 3 and parts[own][0].numel() >= MIN_DIRECTION_VALUES:
         # the direction to agree with: the coordinate-wise median of all parts (a minority cannot move it). Not
