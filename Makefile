@@ -12,8 +12,9 @@ ROUNDS ?= 5
 install: $(VENV)/.installed
 
 # pip byte-compiles what it installs one file at a time; compileall does it on every core, a fresh install markedly
-# faster (measured: BENCHMARKS.md, "Leaving and installing"). Its -qq and `|| true`: a few files are for newer
-# Pythons (torch's py312 test helpers), which pip skips the same way.
+# faster (measured: BENCHMARKS.md, "Leaving and installing"). Not compiling at all is no way out: where
+# PYTHONDONTWRITEBYTECODE is set (as in some CI shells) every process would compile torch's modules again. Its -qq
+# and `|| true`: a few files are for newer Pythons (torch's py312 test helpers), which pip skips the same way.
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)"
