@@ -134,7 +134,8 @@ def run(cfg, init, replicas: int, rounds: int, method: str, density: float, bloc
     butterfly = 2 * (replicas - 1) / replicas
     per_round = payload * (2 * (replicas - 1) if method == "own-topk" else butterfly)
     ddp = cfg.outer.inner_steps * butterfly * 4.0 * numel
-    return {"method": method, "density": density if method != "fp32" else 1.0, "block": block, "replicas": replicas,
+    return {"method": method, "density": density if method != "fp32" else 1.0, "block": block, "params": numel,
+            "replicas": replicas,
             "H": cfg.outer.inner_steps, "rounds": rounds, "eval_loss": losses, "final_ppl": math.exp(losses[-1]),
             "payload_bytes": payload, "bytes_per_round": per_round, "vs_ddp": ddp / per_round, "tokens": tokens,
             "seconds": round(time.perf_counter() - started)}
