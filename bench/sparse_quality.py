@@ -79,9 +79,8 @@ def own_topk(buffers: list[torch.Tensor], density: float) -> tuple[list[torch.Te
         message = two_bits(chosen).flatten()[:buf.numel()]
         buffers[i] = buf - message
         messages.append(message)
-    chunks = math.ceil(buffers[0].numel() / CHUNK)
     index_bits = math.ceil(math.log2(CHUNK))
-    return messages, chunks * (k * (2 + index_bits) / 8 + 2 * 2)
+    return messages, math.ceil(buffers[0].numel() / CHUNK) * (k * (2 + index_bits) / 8 + 2 * 2)
 
 
 def agreed(buffers: list[torch.Tensor], density: float, block: int) -> tuple[list[torch.Tensor], float]:

@@ -215,11 +215,10 @@ def join(args: argparse.Namespace) -> int:
 
     from .daemon import PeerDaemon
     from .swarm.admission import load_admission
-    from .swarm.run_config import Joiner, adopt_swarm_config, owners_of
+    from .swarm.run_config import Joiner, adopt_swarm_config
 
     load_admission(cfg.swarm.secret_file, cfg.swarm.allowlist)
-    joiner = Joiner(cfg, stated_keys(args.config, overrides), args.config, owners_of(args.bootstrap), check,
-                    addresses=list(args.bootstrap))
+    joiner = Joiner(cfg, stated_keys(args.config, overrides), args.config, list(args.bootstrap), check)
     return uvloop.run(PeerDaemon(cfg, args.bootstrap, args.name or "", owns_process=True,
                                  adopt=partial(adopt_swarm_config, joiner=joiner)).run())
 

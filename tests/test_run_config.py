@@ -22,7 +22,7 @@ from diloco_peer.config.swarm_wide import swarm_part
 from diloco_peer.swarm import run_config
 from diloco_peer.swarm.addresses import BootstrapUnreachable
 from diloco_peer.swarm.owner_key import ED25519, RSA, OwnerKey, encode_key, peer_id_of
-from diloco_peer.swarm.run_config import ForgedRecord, Joiner, check_record, owners_of, sign_record
+from diloco_peer.swarm.run_config import ForgedRecord, Joiner, check_record, sign_record
 
 OWNER_SETS = ["outer.inner_steps=10", "averaging.heartbeat=1.0", "data.max_bytes=1_000_000"]
 
@@ -239,7 +239,8 @@ def adopted(dht: FakeDHT, owners: list[str], config: str | None = None, *sets: s
     machine (config, name), as ``adopt_swarm_config`` finds them in ``dht``."""
     checked = []
     local = load_config(config, list(sets))
-    asked = Joiner(local, stated_keys(config, list(sets)), config, owners, lambda *c: checked.append(c))
+    addresses = [f"/ip4/127.0.0.1/tcp/9/p2p/{owner}" for owner in owners]
+    asked = Joiner(local, stated_keys(config, list(sets)), config, addresses, lambda *c: checked.append(c))
     return asyncio.run(run_config.adopt_swarm_config(dht, lambda: stop, asked)), local, checked
 
 
@@ -266,7 +267,7 @@ def test_a_joiner_whose_owner_restarted_joins_it_again_and_takes_its_config(keys
     monkeypatch.setattr(run_config, "REJOIN_SECONDS", 0.05)
     monkeypatch.setattr(run_config, "join_dht_peers", join_again)
     address = f"/ip4/127.0.0.1/tcp/9/p2p/{keys.owner.peer_id}"
-    asked = Joiner(load_config(None, []), {}, None, owners_of([address]), lambda *c: None, addresses=[address])
+    asked = Joiner(load_config(None, []), {}, None, [address], lambda *c: None)
     cfg = asyncio.run(run_config.adopt_swarm_config(dht, lambda: False, asked))
     assert cfg.outer.inner_steps == 10 and joins == [[address], [address]]
 

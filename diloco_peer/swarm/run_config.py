@@ -29,7 +29,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hivemind.dht import DHT
 from hivemind.dht.routing import DHTID
@@ -249,18 +249,21 @@ class Joiner:
     :param local: its validated config (its ``--config``, or the default one, with its ``--set`` and flags)
     :param stated: the keys it stated -> where (``config.swarm_wide.stated_keys``)
     :param config: its ``--config``; None: it takes the swarm's config (and waits ``WAIT`` for it)
-    :param owners: the peer ids of the addresses it joins through (``owners_of``)
+    :param addresses: the bootstrap addresses it joins through (joined again while no record comes); the peer ids
+      at their ends are the owners whose config records it takes (``owners``)
     :param check: ``check(cfg, name)`` raises if config ``cfg`` cannot run here (its data, its memory: the CLI's
       checks); called on the config it adopts, unless that is ``local``, which was checked before joining
-    :param addresses: the bootstrap addresses it joins through, joined again while no record comes
     """
 
     local: PeerConfig
     stated: dict[str, str]
     config: str | None
-    owners: list[str]
+    addresses: list[str]
     check: Callable[[PeerConfig, str], None]
-    addresses: list[str] = field(default_factory=list)
+
+    @property
+    def owners(self) -> list[str]:
+        return owners_of(self.addresses)
 
 
 WAIT = 30.0
