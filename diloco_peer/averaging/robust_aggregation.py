@@ -163,9 +163,14 @@ def check_arrival(part: torch.Tensor, shape: torch.Size, weight: float, limits: 
 
 def aggregate(parts: dict[int, tuple[torch.Tensor, float]], own: int | None,
               limits: Limits) -> tuple[torch.Tensor, list[tuple[int, BadContribution]]]:
-    """Average one part's contributions ``{sender: (part, weight)}``; ``own`` is our sender index (trusted).
+    """Average one part's contributions ``{sender: (part, weight)}``; ``own`` is our sender index.
 
-    Returns the average and the senders refused, with why. Contributions are summed in sender order.
+    Our own part is the reference of a pair's ratio checks, and is never refused as an offense. In a group of three
+    or more it is judged by direction like any other, and left out of the average where it points against the
+    group: every other reducer leaves it out of theirs, and a span's average must not depend on who reduces it (a
+    peer whose part went off, or a fork that flips its own, kept its part in its own span alone).
+
+    Returns the average and the other senders refused, with why. Contributions are summed in sender order.
     """
     refused: list[tuple[int, BadContribution]] = []
     norms = {s: _norm(p) for s, (p, _) in parts.items()}
@@ -189,15 +194,18 @@ def aggregate(parts: dict[int, tuple[torch.Tensor, float]], own: int | None,
         # point apart (measured: an honest pair refused each other at min_cosine 0); nor can two tell who is off
         reference = coordinate_median([p for p, _ in kept.values()]).double().flatten()
         weights = [w for _, w in kept.values()]
+        against = set()
         for s, (p, w) in kept.items():
-            if s == own:
-                continue
             cosine = float(torch.nn.functional.cosine_similarity(p.double().flatten(), reference, dim=0))
             # a light part (a slow volunteer's few steps: noisy) is refused for a clear sign flip only; what it
             # moves the average by is bounded by its weight, and its norm is clipped to the median's below
             if cosine < (limits.ban_cosine if is_light(w, weights) else limits.min_cosine):
-                refused.append((s, _direction("cosine with the group's median", cosine, limits)))
-        kept = {s: pw for s, pw in kept.items() if s not in {r for r, _ in refused}}
+                against.add(s)
+                if s != own:
+                    refused.append((s, _direction("cosine with the group's median", cosine, limits)))
+        if against >= set(kept):  # nothing agrees with the median (no honest group does that): ours, as before
+            against.discard(own)
+        kept = {s: pw for s, pw in kept.items() if s not in against}
     if limits.robust and len(kept) >= 2:
         median_norm = float(torch.tensor([norms[s] for s in kept], dtype=torch.float64).quantile(0.5))
         median_weight = float(torch.tensor([w for _, w in kept.values()], dtype=torch.float64).quantile(0.5))
@@ -249,7 +257,8 @@ def _outcome_seen(task: asyncio.Future) -> None:
 class CheckedPartReducer(TensorPartReducer):
     """hivemind's reducer, but each part is checked on arrival and averaged by ``aggregate`` once complete.
 
-    :param own: our index among the senders (None if we send nothing): our part is the trusted reference
+    :param own: our index among the senders (None if we send nothing): our part is never refused as an offense
+      (``aggregate``)
     :param on_refused: called with (sender index, ``BadContribution``) for every refused contribution; the
       caller drops that sender from the rest of the round
     """
