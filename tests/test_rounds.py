@@ -216,12 +216,14 @@ def test_rounds_bounded_by_time_give_a_slow_peer_fewer_steps_and_nobody_waits(tm
     assert outcomes(a) == outcomes(b) == ["averaged"] * 5
     assert a.records[0].inner_steps == b.records[0].inner_steps == 20
     later = [(ra.inner_steps, rb.inner_steps, ra.wait_seconds) for ra, rb in zip(a.records[1:], b.records[1:])]
-    # a loaded machine can stall one of b's steps past the round's budget (one step that round): one round of four
-    # may fall short, the others must not
+    # b fits about a fifth of a's steps. A loaded machine stretches a's 4 ms sleeps more than b's 20 ms ones, which
+    # lengthens the period b trains for (9 steps seen in CI): at most half of a's. And it can stall one of b's steps
+    # past the round's budget (one step, and a wait, that round): one round of four may fall short, the others not
     b_steps = sorted(sb for _, sb, _ in later)
-    assert all(sa >= 16 and 1 <= sb <= 8 for sa, sb, _ in later) and b_steps[1] >= 2, later
+    assert all(sa >= 16 and 1 <= sb <= sa // 2 for sa, sb, _ in later) and b_steps[1] >= 2, later
     first_wait = a.records[0].wait_seconds  # b's 20 steps: ~0.3 s more than a's
-    assert first_wait > 0.2 and all(wait < first_wait / 2 for _, _, wait in later), (first_wait, later)
+    waits = sorted(wait for _, _, wait in later)
+    assert first_wait > 0.2 and waits[-2] < first_wait / 2, (first_wait, later)
     for peer in (a, b):  # the LR schedule is at the round's end whatever the steps
         assert [r.inner_step for r in peer.records] == [20 * r.round for r in peer.records]
     assert same(a.outer.params, b.outer.params)
