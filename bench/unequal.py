@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from results import figure, save  # noqa: E402
 
 from diloco_peer.tools.cpu_quota import available, cpu_quota  # noqa: E402
-from diloco_peer.tools.local_swarm import LocalSwarm, in_cgroup  # noqa: E402
+from diloco_peer.tools.local_swarm import LocalSwarm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SETS = ["outer.inner_steps=20", "run.threads=1", "checkpoint.dir=''", "data.max_bytes=1_000_000",
@@ -54,9 +54,8 @@ def run(workdir: Path, shares: list[str], length: str, rounds: int, extra: list[
         swarm = stack.enter_context(LocalSwarm(workdir, sets=sets, env={"PYTHONPATH": str(ROOT)}))
         swarm.start_bootstrap("--report-every", "10")
         for name, share in zip(names, shares):
-            wrap = () if share == "full" else in_cgroup(stack.enter_context(cpu_quota(f"unequal-{name}",
-                                                                                      float(share))))
-            swarm.start_peer(name, wrap=wrap)
+            group = "" if share == "full" else stack.enter_context(cpu_quota(f"unequal-{name}", float(share)))
+            swarm.start_peer(name, cgroup=group)
         # (a peer at 0.06 of a core takes minutes to start and, with a fixed H, ~30 s a round)
         swarm.wait_for(f"{rounds} rounds of every peer", lambda: all(p.poll() is not None for p in
                                                                       swarm.peers.values()), timeout=300 + 90 * rounds)

@@ -73,15 +73,19 @@ def test_wait_for_stops_at_a_failed_process_or_the_timeout(tmp_path):
             swarm.wait_for("rounds", lambda: None, timeout=30, poll=0.05)
 
 
-def test_in_cgroup_puts_the_process_itself_in_the_group_before_it_runs(tmp_path):
-    """A stand-in cgroup directory (the real one needs root): the pid written is the program's own (``exec``)."""
-    group = tmp_path / "slowpeer"
-    group.mkdir()
-    (group / "cgroup.procs").touch()
-    with LocalSwarm(tmp_path) as swarm:
-        proc = swarm.spawn(["x y"], "slow.log", wrap=in_cgroup(group), program=ECHO)
-        assert printed(swarm, "slow", proc) == [["x y"], None]
-    assert int((group / "cgroup.procs").read_text()) == proc.pid
+def test_a_process_started_fresh_in_a_cgroup_is_put_there_itself_before_it_runs(tmp_path):
+    """A stand-in cgroup directory (the real one needs root): the pid written is the program's own (``exec``), by
+    ``in_cgroup`` as a ``wrap`` or by ``cgroup=`` (what is not forked from a zygote starts so). The zygote's way:
+    ``test_zygote.py``."""
+    for how in ("wrap", "cgroup"):
+        group = tmp_path / f"slowpeer-{how}"
+        group.mkdir()
+        (group / "cgroup.procs").touch()
+        with LocalSwarm(tmp_path) as swarm:
+            into = {"wrap": in_cgroup(group)} if how == "wrap" else {"cgroup": group}
+            proc = swarm.spawn(["x y"], f"slow-{how}.log", program=ECHO, **into)
+            assert printed(swarm, f"slow-{how}", proc) == [["x y"], None]
+        assert int((group / "cgroup.procs").read_text()) == proc.pid, how
 
 
 def test_kill_leaves_nothing_running_at_once(tmp_path):

@@ -12,7 +12,6 @@ import os
 import pytest
 
 from diloco_peer.tools.cpu_quota import available, cpu_quota
-from diloco_peer.tools.local_swarm import in_cgroup
 
 ROUNDS = 5
 
@@ -35,8 +34,9 @@ def summary(rounds: dict[str, dict[int, dict]]) -> dict[str, list]:
 def test_a_throttled_peer_trains_fewer_steps_is_averaged_every_round_and_nobody_waits_for_it(local_swarm):
     require_cgroups()
     local_swarm.start_bootstrap()
-    # the first round waits for all three: the slow peer takes a while to start, and the fast ones would be gone; and
-    # for the slow peer's first 20 steps (nothing measured yet: H steps each), which took over 90 s on a loaded
+    # the first round waits for all three: the slow peer takes a while to start (forked from the tests' zygote into
+    # its cgroup; a fresh process paid its imports at a fifth of a core, 20-33 s), and the fast ones would be gone;
+    # and for the slow peer's first 20 steps (nothing measured yet: H steps each), which took over 90 s on a loaded
     # machine (CI), past the default ready_timeout: then the fast pair averaged round 1 without it. Later rounds are
     # bounded by time: everyone arrives together, and this bound is never reached
     sets = [f"run.max_rounds={ROUNDS}", "outer.inner_steps=20", "outer.round_length=time", "averaging.min_peers=3",
@@ -44,7 +44,7 @@ def test_a_throttled_peer_trains_fewer_steps_is_averaged_every_round_and_nobody_
     with cpu_quota("test-unequal-slow", 0.2) as group:
         peers = {"fast1": local_swarm.start_peer("fast1", *sets),
                  "fast2": local_swarm.start_peer("fast2", *sets),
-                 "slow": local_swarm.start_peer("slow", *sets, wrap=in_cgroup(group))}
+                 "slow": local_swarm.start_peer("slow", *sets, cgroup=group)}
         for name, proc in peers.items():
             assert proc.wait(timeout=300) == 0, local_swarm.log(name).read_text()[-3000:]
     rounds = {name: {e["round"]: e for e in local_swarm.events(name, "round")} for name in peers}

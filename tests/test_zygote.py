@@ -19,10 +19,10 @@ from diloco_peer.tools.zygote import Forked
 
 
 def forked(zygote, tmp_path, *args: str, env: dict | None = None, log: str = "out.log", cmd=None,
-           netns: str = "") -> Forked:
+           netns: str = "", cgroup="") -> Forked:
     with (tmp_path / log).open("a") as out:
         return zygote.spawn(cmd or diloco_command(*args), stdout=out, env={**os.environ, **(env or {})},
-                            cwd=tmp_path, netns=netns)
+                            cwd=tmp_path, netns=netns, cgroup=cgroup)
 
 
 def test_a_forked_command_has_its_arguments_output_directory_and_environment(tmp_path, zygote):
@@ -92,3 +92,17 @@ def test_a_script_runs_as_its_own_main_in_the_network_namespace_it_is_given(tmp_
     finally:
         subprocess.run(["ip", "netns", "del", name], check=True)
     assert (tmp_path / "out.log").read_text() == "__main__ ['a', 'b'] ['lo']\n"  # a new namespace: loopback only
+
+
+def test_a_forked_command_enters_its_cgroup_before_it_runs(tmp_path, zygote):
+    """A slower volunteer forked from the zygote (a stand-in cgroup directory: the real one needs root): the child
+    writes its own pid to ``cgroup.procs`` before the command's first line runs, so that every process it starts
+    is in the group too, and its start costs the imports it no longer does at the group's pace."""
+    group = tmp_path / "slowpeer"
+    group.mkdir()
+    (group / "cgroup.procs").touch()
+    script = tmp_path / "where.py"
+    script.write_text(f"import os\nprint(open({str(group / 'cgroup.procs')!r}).read() == str(os.getpid()))\n")
+    proc = forked(zygote, tmp_path, cmd=[sys.executable, str(script)], cgroup=group)
+    assert proc.wait(timeout=60) == 0
+    assert (tmp_path / "out.log").read_text() == "True\n" and int((group / "cgroup.procs").read_text()) == proc.pid

@@ -2,7 +2,7 @@
 core, for the benchmarks and tests of unequal swarms.
 
     with cpu_quota("slowpeer", 0.15) as group:
-        swarm.start_peer("slow", wrap=in_cgroup(group))      # tools/local_swarm.py
+        swarm.start_peer("slow", cgroup=group)      # tools/local_swarm.py
 
 Linux only, as root: cgroup v1's cpu controller (``/sys/fs/cgroup/cpu``, ``cpu.cfs_quota_us``) or cgroup v2's
 (``cpu.max``). The group is removed once its processes are gone, also when the caller fails; one left behind by a
@@ -39,7 +39,7 @@ def available() -> str:
 @contextlib.contextmanager
 def cpu_quota(name: str, cores: float) -> Iterator[Path]:
     """A cpu cgroup ``name`` limited to ``cores`` (e.g. 0.15: 1.5 ms of every 10 ms, on one core); its directory,
-    whose ``cgroup.procs`` a process writes its pid to (``local_swarm.in_cgroup``). Removed on exit."""
+    whose ``cgroup.procs`` a process writes its pid to (``LocalSwarm.start_peer(cgroup=...)``). Removed on exit."""
     if cores <= 0:
         raise ValueError(f"cores={cores}: give a positive share of a core, e.g. 0.15")
     why = available()

@@ -14,7 +14,7 @@ session of its own (a terminal's Ctrl+C reaches it only through us; its process 
 output in ``workdir/NAME.log`` and, for a peer, its event log in ``workdir/NAME.jsonl`` (``run.log_dir``).
 
 A process can be started inside a network namespace (``netns``: ``netbed.py``'s slow links and home routers),
-under a prefix command (``wrap``: ``nice``, or a cpu cgroup for a slow volunteer, ``in_cgroup``) and as another
+under a prefix command (``wrap``: ``nice``), in a cpu cgroup (``cgroup``: a slow volunteer) and as another
 program that takes ``diloco-peer``'s arguments (``program``: a forked client, ``tests/attacker.py``). What a
 caller's peers have in common (the tests' short timeouts, a benchmark's model) it gives once, as ``sets``.
 
@@ -105,20 +105,24 @@ class LocalSwarm:
         self.reap()
 
     def spawn_external(self, cmd: list[str], log_name: str, env: dict[str, str] | None = None, netns: str = "",
-                       wrap: Sequence[str] = ()) -> subprocess.Popen:
+                       wrap: Sequence[str] = (), cgroup: str | Path = "") -> subprocess.Popen:
         """Start any program (e.g. a real Prometheus, a demo), writing to ``workdir/log_name``, reaped with the swarm.
 
         :param netns: run it inside this network namespace (``ip netns exec``; root)
         :param wrap: a command to run it under, inside the swarm's ``wrap``
+        :param cgroup: run it, and every process it starts, inside this cpu cgroup directory (a slower volunteer:
+          ``cpu_quota.py``). Forked from the zygote it enters the group before anything else; a fresh process goes
+          through ``in_cgroup``, and pays for its imports at the group's pace (at a fifth of a core, ~30 s)
         """
         where = ["ip", "netns", "exec", netns] if netns else []
         env = {**os.environ, **self.env, **(env or {})}
         forkable = self.zygote is not None and not (self.wrap or wrap) and self.zygote.forks(cmd, env)
         with (self.workdir / log_name).open("a") as log:
             if forkable:
-                proc = self.zygote.spawn(cmd, stdout=log, env=env, cwd=self.workdir, netns=netns)
+                proc = self.zygote.spawn(cmd, stdout=log, env=env, cwd=self.workdir, netns=netns, cgroup=cgroup)
             else:
-                proc = subprocess.Popen([*self.wrap, *wrap, *where, *cmd], stdout=log, stderr=subprocess.STDOUT,
+                into = in_cgroup(cgroup) if cgroup else []
+                proc = subprocess.Popen([*self.wrap, *wrap, *into, *where, *cmd], stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True, cwd=self.workdir, env=env)
         self.procs.append(proc)
         self.logs[proc.pid] = self.workdir / log_name
@@ -127,13 +131,13 @@ class LocalSwarm:
         return proc
 
     def spawn(self, args: list[str], log_name: str, env: dict[str, str] | None = None, netns: str = "",
-              wrap: Sequence[str] = (), program: Sequence[str] = ()) -> subprocess.Popen:
+              wrap: Sequence[str] = (), program: Sequence[str] = (), cgroup: str | Path = "") -> subprocess.Popen:
         """Start ``diloco-peer ARGS`` as it is (no ``sets``), writing to ``workdir/log_name``.
 
         :param program: what stands for ``diloco-peer`` instead of the swarm's ``program``, e.g. a forked client
           ``[python, "tests/attacker.py", "sign_flip:9", "--"]``
         """
-        return self.spawn_external([*(program or self.program), *args], log_name, env, netns, wrap)
+        return self.spawn_external([*(program or self.program), *args], log_name, env, netns, wrap, cgroup)
 
     def start_bootstrap(self, *extra: str, listen: str = "/ip4/127.0.0.1/tcp/0", netns: str = "",
                         log_name: str = "bootstrap.log", timeout: float = 60.0) -> str:
@@ -161,13 +165,14 @@ class LocalSwarm:
 
     def start_peer(self, name: str, *sets: str, env: dict[str, str] | None = None, netns: str = "",
                    wrap: Sequence[str] = (), program: Sequence[str] = (), bootstraps: Sequence[str] = (),
-                   args: Sequence[str] = ()) -> subprocess.Popen:
+                   args: Sequence[str] = (), cgroup: str | Path = "") -> subprocess.Popen:
         """Start ``diloco-peer join`` as peer ``name``, with the swarm's ``sets``, then ``run.log_dir=workdir``,
         then ``sets`` (a later override wins).
 
         :param env: variables for this peer only (e.g. the fault-injection variable of ``config/faults.py``)
         :param netns: run it inside this network namespace; its ``swarm.host_maddrs`` are the caller's to set
-        :param wrap: a command to run it under (e.g. ``in_cgroup(path)``: a slower volunteer)
+        :param wrap: a command to run it under (e.g. ``["nice", "-n", "5"]``)
+        :param cgroup: run it inside this cpu cgroup directory: a slower volunteer (see ``spawn_external``)
         :param program: what stands for ``diloco-peer`` (see ``spawn``)
         :param bootstraps: the addresses it joins through (default: ``address``)
         :param args: more arguments of ``join`` (e.g. ``["--config", "llama-150m"]``)
@@ -175,7 +180,7 @@ class LocalSwarm:
         cmd = ["join", *(bootstraps or [self.address]), "--name", name, *args]
         for item in [*self.sets, f"run.log_dir={json.dumps(str(self.workdir))}", *sets]:
             cmd += ["--set", item]
-        self.peers[name] = self.spawn(cmd, f"{name}.log", env, netns, wrap, program)
+        self.peers[name] = self.spawn(cmd, f"{name}.log", env, netns, wrap, program, cgroup)
         return self.peers[name]
 
     def log(self, name: str) -> Path:

@@ -153,13 +153,16 @@ class Zygote:
         return runs and not verbose and self.proc.poll() is None and at_import(env) == at_import(self.env)
 
     def spawn(self, cmd: Sequence[str], stdout, env: Mapping[str, str], cwd: str | Path, stderr=None,
-              netns: str = "") -> Forked:
+              netns: str = "", cgroup: str | Path = "") -> Forked:
         """Fork ``cmd`` (see ``forks``) with its output to the file ``stdout``, its errors to ``stderr`` (default:
         the same file), stdin from /dev/null; in the network namespace ``netns`` if one is named (root), as
-        ``ip netns exec`` puts a command there."""
+        ``ip netns exec`` puts a command there; in the cpu cgroup directory ``cgroup`` if one is named, before it
+        does anything else (a slower volunteer: ``cpu_quota.py``), as ``local_swarm.in_cgroup`` puts a command
+        there."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         conn.connect(str(self.path))
-        request = json.dumps({"argv": list(cmd[1:]), "env": dict(env), "cwd": str(cwd), "netns": netns}).encode()
+        request = json.dumps({"argv": list(cmd[1:]), "env": dict(env), "cwd": str(cwd), "netns": netns,
+                              "cgroup": str(cgroup or "")}).encode()
         with open(os.devnull) as stdin:
             fds = array.array("i", [stdin.fileno(), stdout.fileno(), (stderr or stdout).fileno()])
             conn.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
@@ -237,6 +240,8 @@ def become(request: dict) -> None:
     """In the forked child: take the command's streams, session, directory and environment, and run it as
     ``python ARGV`` would (``-m MODULE ARGS`` or ``SCRIPT ARGS``); its ``sys.exit`` ends the child."""
     os.setsid()
+    if request["cgroup"]:  # first: everything the command does, and every process it starts, runs at its pace
+        Path(request["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
     if request["netns"]:
         _enter_network_namespace(request["netns"])
     stdin, stdout, stderr = request["fds"]
