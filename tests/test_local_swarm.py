@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -31,8 +32,12 @@ def printed(swarm: LocalSwarm, name: str, proc) -> list:
     return json.loads(swarm.log(name).read_text().splitlines()[-1])
 
 
-def test_a_peer_runs_with_the_swarms_sets_then_its_log_dir_then_its_own(tmp_path):
-    with LocalSwarm(tmp_path, sets=["a=1", "b=2"], env={"MARK": "swarm"}, wrap=["env", "WRAPPED=1"]) as swarm:
+def test_a_peer_runs_with_the_swarms_sets_then_its_log_dir_then_its_own(tmp_path, monkeypatch):
+    # a relative workdir (bench/unequal.py's default) is the same directory for every process: each runs in it, and
+    # a relative log_dir had put their event logs in a copy of the path below it, where nobody read them
+    monkeypatch.chdir(tmp_path.parent)
+    with LocalSwarm(Path(tmp_path.name), sets=["a=1", "b=2"], env={"MARK": "swarm"},
+                    wrap=["env", "WRAPPED=1"]) as swarm:
         swarm.address = "/ip4/127.0.0.1/tcp/1/p2p/QmBoot"
         proc = swarm.start_peer("p", "b=3", program=ECHO, args=["--config", "x"], env={"MARK": "peer"})
         argv, mark = printed(swarm, "p", proc)

@@ -87,7 +87,7 @@ class LocalSwarm:
                  env: dict[str, str] | None = None, wrap: Sequence[str] = (), program: Sequence[str] = (),
                  zygote: Zygote | None = None, on_spawn: Callable[[subprocess.Popen], None] | None = None,
                  check: Callable[[], None] | None = None):
-        self.workdir = Path(workdir)
+        self.workdir = Path(workdir).resolve()  # its processes run in it: a relative log_dir would nest
         self.sets, self.bootstrap_args, self.wrap = list(sets), list(bootstrap_args), list(wrap)
         self.program = list(program) or diloco_command()
         self.env, self.zygote = env or {}, zygote
