@@ -415,7 +415,10 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
     last, seen, banned_in = {}, {}, {}
     for name in honest:
         events = local_swarm.events(name)
-        assert {e["offender"] for e in events if e["event"] == "offense"} == {evil_id}, name  # nobody else accused
+        # nobody else accused. An honest peer may accuse nobody: one that reduced no span (the split is paced: a peer
+        # slow in round 1 reduced none in a loaded suite) sees none of the attacker's parts, and the attacker's own
+        # span is honest (its reducer leaves its flipped part out, as ours do)
+        assert {e["offender"] for e in events if e["event"] == "offense"} <= {evil_id}, name
         bans = [e for e in events if e["event"] == "offense" and e["banned"]]
         assert [e["offender"] for e in bans] in ([evil_id], []), bans
         rounds_seen = [e for e in events if e["event"] == "round"]
