@@ -110,9 +110,21 @@ def test_alone_returns_failure_without_raising(dhts):
     assert result.seconds < CFG.matchmaking_time * 3 + 10
 
 
+async def _staggered(averagers, inputs, expected, gaps, epoch):
+    """Each averager's round with its own ``expected`` count, started ``gaps`` seconds after the one before."""
+    rounds = []
+    for averager, x, count, gap in zip(averagers, inputs, expected, gaps):
+        await asyncio.sleep(gap)
+        rounds.append(asyncio.create_task(averager.average(x, weight=1, epoch=epoch, expected=count)))
+    return await asyncio.gather(*rounds)
+
+
 def test_a_complete_group_starts_at_once_and_the_window_waits_for_missing_peers(dhts):
     # the round gate counted 3 peers ready: when all 3 are in, the all-reduce starts then, not at the end of the
-    # 5 s matchmaking window; when one of them never comes, the 2 others average at the end of the window
+    # 5 s matchmaking window; when one of them never comes, the 2 others average at the end of the window. Complete
+    # by the largest count among its members: the gates' counts differ on a loaded machine, a's missed c's record
+    # (2), b's did not (3); a leads (it came first, its window ends first), and b's count keeps its group open for
+    # c, a second later (a's own count formed the group at b and turned c away: a 12-peer round in CI)
     cfg = CFG.model_copy(update={"matchmaking_time": 5.0})
     averagers = [RoundAverager(dht, SHAPES, "test-run", cfg) for dht in dhts(3)]
     try:
@@ -120,6 +132,8 @@ def test_a_complete_group_starts_at_once_and_the_window_waits_for_missing_peers(
         complete = asyncio.run(_average_all(averagers, inputs, [1, 1, 1], epoch=0, expected=3))
         averages = [t.clone() for t in complete[0].averaged] if complete[0].ok else []  # the next round reuses them
         partial = asyncio.run(_average_all(averagers[:2], inputs[:2], [1, 1], epoch=1, expected=3))
+        partial_averages = [t.clone() for t in partial[0].averaged] if partial[0].ok else []
+        counted = asyncio.run(_staggered(averagers, inputs, expected=(2, 3, 3), gaps=(0.0, 0.3, 1.0), epoch=2))
     finally:
         for a in averagers:
             a.shutdown()
@@ -129,10 +143,12 @@ def test_a_complete_group_starts_at_once_and_the_window_waits_for_missing_peers(
     assert all(r.ok and r.group_size == 2 for r in partial), [r.error for r in partial]
     assert all(cfg.matchmaking_time - 1.0 < r.seconds < cfg.matchmaking_time + 3.0 for r in partial), \
         [r.seconds for r in partial]
-    for got, members in ((averages, inputs), (partial[0].averaged, inputs[:2])):
+    for got, members in ((averages, inputs), (partial_averages, inputs[:2])):
         for i in range(len(SHAPES)):
             mean = sum(x[i].double() for x in members) / len(members)
             torch.testing.assert_close(got[i].double(), mean, rtol=1e-5, atol=1e-6)
+    assert [(r.ok, r.group_size) for r in counted] == [(True, 3)] * 3, [r.error for r in counted]
+    assert counted[0].seconds < cfg.matchmaking_time, counted[0].seconds  # complete at c: not the window's end
 
 
 @pytest.mark.light

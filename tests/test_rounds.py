@@ -322,14 +322,16 @@ def test_the_contribution_scale():
         contribution_scale("equal", 4, 20)
 
 
-def test_a_peer_whose_one_step_outlasts_the_round_is_not_waited_for():
+def test_a_peer_whose_one_step_outlasts_the_round_by_half_a_round_is_not_waited_for():
     pace = Pace(inner_steps=10, timed=True)
     fast = _record("fast", step_seconds=0.1, work_seconds=0.5)  # its round: 1.5 s
-    crawler = _record("crawler", step_seconds=2.0, work_seconds=0.5)  # one step: longer than the whole round
-    busy = _record("busy", step_seconds=1.0, work_seconds=1.0)  # one step and its round's work: longer too
+    crawler = _record("crawler", step_seconds=2.5, work_seconds=0.5)  # one step: longer than the whole round
+    busy = _record("busy", step_seconds=1.3, work_seconds=1.0)  # one step and its round's work: 2.3 s, over 1.5 x 1.5
+    late = _record("late", step_seconds=1.0, work_seconds=1.0)  # 2.0 s: half a second late, waited for
     slow = _record("slow", step_seconds=0.9, work_seconds=0.5)  # one step and its work fit: a round of one step
-    swarm = [fast, crawler, busy, slow]
-    assert pace.too_slow(crawler, swarm) and pace.too_slow(busy, swarm) and not pace.too_slow(slow, swarm)
+    swarm = [fast, crawler, busy, late, slow]
+    assert pace.too_slow(crawler, swarm) and pace.too_slow(busy, swarm)
+    assert not pace.too_slow(late, swarm) and not pace.too_slow(slow, swarm)
     assert not Pace(inner_steps=10, timed=False).too_slow(crawler, [fast, crawler])  # fixed H waits for everyone
 
 

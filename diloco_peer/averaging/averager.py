@@ -249,8 +249,10 @@ class RoundAverager:
         control = self.averager.step(
             weight=float(weight),
             # bans: the peers we ban, so that a leader leaves them out before the group forms (group_bans.py)
+            # expected: a leader that counted fewer waits for as many as we count (grow_target_with_followers)
             gather={"epoch": epoch, "tokens": int(weight), "proof": self.admission.proof(self.peer_id),
-                    "relayed": self.relayed, "bans": self.banned(), "step_seconds": step_seconds},
+                    "relayed": self.relayed, "bans": self.banned(), "step_seconds": step_seconds,
+                    "expected": size},
             scheduled_time=get_dht_time() + window,
             # deadline for *finding* a group: one window, and two more for a retry (the all-reduce has its own)
             timeout=window * 3,

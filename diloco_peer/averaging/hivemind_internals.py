@@ -33,7 +33,7 @@ from ..swarm.p2pd_internals import HIVEMIND_VERSION, PrivateUse
 
 __all__ = ["HIVEMIND_VERSION", "INVENTORY", "ban_sender", "forbid_retries", "keeping_our_sigint", "mark_state_updated",
            "matchmaking_of", "own_input_parts", "leave_out_before_assembly", "p2p_of", "patch_join_requests",
-           "reject_stale_join_requests", "running_group", "send_to_averager_process", "set_group_bits_here",
+           "grow_target_with_followers", "reject_stale_join_requests", "running_group", "send_to_averager_process", "set_group_bits_here",
            "set_target_group_size", "state_from_host"]
 
 AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
@@ -98,6 +98,10 @@ INVENTORY = (
                "reject_stale_join_requests (per averager instance): turns away a request that waited too long",
                ("request", "context")),
     *_reads(MATCHMAKING, "reject_stale_join_requests, assembly_grace.round_begins", "request_timeout"),
+    PrivateUse(MATCHMAKING, "_check_reasons_to_reject", "patch",
+               "grow_target_with_followers (per averager instance): an accepted follower that expects a larger group "
+               "raises target_group_size (it runs under the join lock, before the size is compared)",
+               ("request", "context")),
     PrivateUse(MATCHMAKING, "leader_assemble_group", "patch",
                "leave_out_before_assembly (per averager instance): drops followers before the group forms", ()),
     *_reads(MATCHMAKING, "leave_out_before_assembly", "current_followers"),
@@ -286,6 +290,38 @@ def reject_stale_join_requests(averager: DecentralizedAverager, arrived: Callabl
 
     matchmaking._check_reasons_to_reject = _check_reasons_to_reject
     matchmaking.diloco_rejects_stale = True
+
+
+def grow_target_with_followers(averager: DecentralizedAverager, expects: Callable[[object], int | None]) -> None:
+    """Make a group this averager leads wait for as many members as any follower it accepts expects.
+
+    Each member's round gate counted the peers it expects (``expect_group``), and on a loaded machine the counts
+    differ: a progress record that one gate read late, or judged too slow to wait for, is in another's count. A
+    leader whose count was one short formed its group, complete by its count, and turned the last peer away
+    (``GROUP_IS_FULL``): that peer's round failed, or it formed a group with another late one (12 peers on two
+    busy cores, in CI). So a follower we accept that expects more (``expects(request)``, from the data it gathers
+    with) raises ``target_group_size``; never lowers it. hivemind checks a request and compares the group's size
+    with the target under its join lock, in that order: the follower that raises the target is counted against the
+    raised one. The step's scheduled time still bounds the wait for a peer that does not come. Idempotent: call it
+    before each step, like ``patch_join_requests``.
+    """
+    matchmaking = averager._matchmaking
+    if getattr(matchmaking, "diloco_grows_target", False):
+        return
+    check = matchmaking._check_reasons_to_reject
+
+    def _check_reasons_to_reject(request, context):
+        refusal = check(request, context)
+        target = matchmaking.target_group_size
+        if refusal is None and target is not None:
+            wanted = expects(request)
+            if wanted is not None and wanted > target:
+                logger.debug(f"{context.remote_id} expects {wanted} members, we {target}: the group waits for more")
+                matchmaking.target_group_size = wanted
+        return refusal
+
+    matchmaking._check_reasons_to_reject = _check_reasons_to_reject
+    matchmaking.diloco_grows_target = True
 
 
 def leave_out_before_assembly(averager: DecentralizedAverager, leave_out: Callable[[dict], list[PeerID]]) -> None:

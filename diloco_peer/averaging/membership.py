@@ -56,6 +56,16 @@ class Membership:
         why = self.admission.refuses(peer, proof)
         return ("unadmitted", why) if why else ("", "")
 
+    def expected(self, gathered: bytes | None) -> int | None:
+        """How many members the peer that gathers ``gathered`` expects its round's group to have (its round gate's
+        count, ``RoundAverager.average``); None if it says none we can read. A member that claims more than there
+        are only makes a group we lead gather for its whole window, as without ``start_when_complete``."""
+        try:
+            expected = self.serializer.loads(self.serializer.loads(gathered)[2]).get("expected")
+        except Exception:
+            return None
+        return expected if isinstance(expected, int) and not isinstance(expected, bool) and expected >= 2 else None
+
     def refuses(self, peer: str) -> bool:
         """``peer`` (base58) is banned or not admitted (its proof unasked: it shows none where this is asked)."""
         return self.bans.is_banned(peer) or bool(self.admission.refuses(peer, None))

@@ -127,6 +127,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         # us into its group and we would then refuse to average (the round lost). Ask the next leader instead.
         internals.patch_join_requests(self, self._refuses_leader)
         internals.reject_stale_join_requests(self, lambda context: self._join_arrivals.get(id(context)))
+        internals.grow_target_with_followers(self, lambda request: self.members.expected(request.gather))
         internals.leave_out_before_assembly(self, lambda requests: self.members.left_out(requests, self.peer_id))
         self._step_control = kwargs.get("step")  # (see _refuse_group)
         return await super()._step(**kwargs)

@@ -33,6 +33,8 @@ SMOOTHING = 0.5
 """Weight of the newest round in the moving averages (a loaded machine's pace drifts within a few rounds)."""
 MAX_SPREAD = 20.0
 """A period counts as at least the peers' median over this (a liar's claim of a tiny step time is bounded)."""
+LATE_SLACK = 0.5
+"""How late, in periods, a peer may come to the round and still be waited for (``Pace.too_slow``)."""
 
 
 class Pace:
@@ -98,14 +100,17 @@ class Pace:
 
     def too_slow(self, record: ProgressRecord, records: list[ProgressRecord], own: str = "") -> bool:
         """Whether the peer of ``record`` cannot be ready in time for a round of the period ``records`` give: one inner
-        step of it and its round's other work take longer than the whole round (it trains one step at least, and
-        arrives late every time: a peer with a sliver of a core can need longer for one step, its eval and its outer
-        step than the swarm's round lasts). The round gate does not wait for it; rounds of fixed H wait for everyone.
-        ``own``: our peer id (``period``)."""
+        step of it and its round's other work take longer than the whole round and ``LATE_SLACK`` of another (it
+        trains one step at least, and arrives late every time: a peer with a sliver of a core can need longer for
+        one step, its eval and its outer step than the swarm's round lasts). The round gate does not wait for it;
+        rounds of fixed H wait for everyone. A peer only a little late is waited for: its round's work counts, and
+        on a loaded machine the paces are noisy enough that equal peers came out over the bare period (12 peers on
+        two busy cores: one was left out of a round and ready half a second later). ``own``: our peer id
+        (``period``)."""
         period = self.period(records, own) if self.timed else None
         if period is None or record.step_seconds is None:
             return False
-        return record.step_seconds + (record.work_seconds or 0.0) > period
+        return record.step_seconds + (record.work_seconds or 0.0) > period * (1 + LATE_SLACK)
 
     def planned_steps(self, budget: float | None) -> int:
         """The inner steps a round of ``budget`` seconds should hold here: H at most, one at least (H where we have
