@@ -264,7 +264,8 @@ class OuterRounds:
         return RoundRecord(
             peer=self.name, round=self.outer.epoch, epoch=epoch,
             outcome=verdict.outcome, group_size=result.group_size, group_epochs=result.group_epochs,
-            ready_peers=decision.ready, alive_peers=decision.alive, wait_seconds=decision.waited,
+            ready_peers=decision.ready, alive_peers=decision.alive, expected_peers=decision.expected,
+            wait_seconds=decision.waited,
             allreduce_seconds=result.seconds, transfer_seconds=result.transfer_seconds, bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_received, bytes_relayed=result.bytes_relayed,
             values_not_averaged=result.values_not_averaged, error=verdict.error or result.error, tokens=inner.tokens,

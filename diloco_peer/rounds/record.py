@@ -36,6 +36,9 @@ class RoundRecord:
     group_epochs: list[int]
     ready_peers: int
     alive_peers: int
+    expected_peers: int
+    """The live peers the round gate counted, less those too slow to wait for (``Pace.too_slow``): the group it
+    expected, unless it left stragglers behind."""
     wait_seconds: float
     allreduce_seconds: float
     transfer_seconds: float
