@@ -111,11 +111,16 @@ def require_tool(name: str, package: str) -> None:
         pytest.skip(message)
 
 
-def require_namespaces() -> None:
-    """Skip a test that needs network namespaces and iptables (root) off CI, with the reason; fail it in CI."""
+def namespaces_missing() -> str:
+    """Why network namespaces and iptables (root) cannot be had here ("": they can)."""
     from diloco_peer.tools import netbed
 
-    why = netbed.available() or ("" if netbed.shutil.which("iptables") else "iptables is not installed")
+    return netbed.available() or ("" if netbed.shutil.which("iptables") else "iptables is not installed")
+
+
+def require_namespaces() -> None:
+    """Skip a test that needs network namespaces and iptables (root) off CI, with the reason; fail it in CI."""
+    why = namespaces_missing()
     if why:
         if os.environ.get("CI"):
             pytest.fail(f"NAT tests must run in CI: {why}")
