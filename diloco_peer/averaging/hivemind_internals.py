@@ -33,8 +33,8 @@ from ..swarm.p2pd_internals import HIVEMIND_VERSION, PrivateUse
 
 __all__ = ["HIVEMIND_VERSION", "INVENTORY", "ban_sender", "forbid_retries", "keeping_our_sigint", "mark_state_updated",
            "matchmaking_of", "own_input_parts", "leave_out_before_assembly", "p2p_of", "patch_join_requests",
-           "grow_target_with_followers", "reject_stale_join_requests", "running_group", "send_to_averager_process", "set_group_bits_here",
-           "set_target_group_size", "state_from_host"]
+           "grow_target_with_followers", "reject_stale_join_requests", "running_group", "send_to_averager_process",
+           "set_group_bits_here", "set_target_group_size", "state_from_host"]
 
 AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
 MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
