@@ -2,13 +2,13 @@
 
 import random
 import signal
-import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
 import torch
+from conftest import SESSION_ENVIRONMENT, wait_until
 from helpers import TRAIN_SETS, state_hash, trainer_and_outer
 
 from diloco_peer.config import CheckpointConfig, load_config
@@ -108,16 +108,22 @@ WRITER = textwrap.dedent("""
 
 @pytest.mark.light
 @pytest.mark.slow
-def test_sigkill_during_writes_always_leaves_a_loadable_checkpoint(tmp_path):
+def test_sigkill_during_writes_always_leaves_a_loadable_checkpoint(tmp_path, zygote):
     rng = random.Random(1234)
     previous_epoch = 0
+    writer, checkpoints = tmp_path / "writer.py", tmp_path / "checkpoints"
+    writer.write_text(WRITER)
     for attempt in range(8):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
+        # forked from the tests' zygote, torch imported already: 8 fresh interpreters were most of this test's time
+        out = tmp_path / f"writer-{attempt}.out"
+        with open(out, "w") as stdout:
+            proc = zygote.spawn([sys.executable, str(writer), str(checkpoints)], stdout, SESSION_ENVIRONMENT, tmp_path)
+        wait_until(lambda: out.read_text() or proc.poll() is not None, "the writer's ready", timeout=60)
+        assert out.read_text().strip() == "ready", out.read_text()
         time.sleep(rng.uniform(0.05, 0.6))  # seeded: lands before, during or between writes
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        manager = CheckpointManager(CheckpointConfig(dir=str(tmp_path), keep=2), "victim", "fp")
+        manager = CheckpointManager(CheckpointConfig(dir=str(checkpoints), keep=2), "victim", "fp")
         assert not list(manager.dir.glob("*.tmp")), "a half-written file survived the restart"
         state = manager.load_latest()
         if state is None:
