@@ -118,7 +118,8 @@ def test_sigkill_during_writes_always_leaves_a_loadable_checkpoint(tmp_path, zyg
         out = tmp_path / f"writer-{attempt}.out"
         with open(out, "w") as stdout:
             proc = zygote.spawn([sys.executable, str(writer), str(checkpoints)], stdout, SESSION_ENVIRONMENT, tmp_path)
-        wait_until(lambda out=out, proc=proc: out.read_text() or proc.poll() is not None, "the writer's ready", timeout=60)
+        wait_until(lambda out=out, proc=proc: out.read_text() or proc.poll() is not None, "the writer's ready",
+                   timeout=60)
         assert out.read_text().strip() == "ready", out.read_text()
         time.sleep(rng.uniform(0.05, 0.6))  # seeded: lands before, during or between writes
         proc.send_signal(signal.SIGKILL)
