@@ -6,7 +6,8 @@ into groups, heals within the round: docs/rounds.md, "Many peers").
 One group of all twelve every round is not asserted: on a loaded host it is what the round aims at, not what it
 always gets. Beside one or two busy loops, 2 runs of 6 had a split round (7 + 5; 10 + 2 and 9 + 3 in one run): a
 late peer's record had lapsed from most gates, and it reached matchmaking after the others' window had ended
-(BENCHMARKS.md, "Many peers").
+(BENCHMARKS.md, "Many peers"). A peer late for the last round can find the swarm gone and end alone: it is
+allowed once (a running swarm heals it at its next round).
 What a round costs at 4 to 32 peers is ``bench/swarm_size.py``'s."""
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ def test_a_dozen_peers_hold_identical_replicas_every_round_and_most_average_in_o
         assert sorted(by_round) == list(range(1, ROUNDS + 1)), (name, sorted(by_round))
     for r in range(1, ROUNDS + 1):
         events = [rounds[name][r] for name in names]
-        assert len({e["param_sha256"] for e in events}) == 1, (r, sorted(e["param_sha256"][:8] for e in events))
+        # a peer late for the run's last round finds the others gone (they stopped at max_rounds) and steps alone:
+        # a running swarm would heal it at its next round, this one has none (seen once in a fresh clone's suite)
+        ended_alone = [e["peer"] for e in events if r == ROUNDS and e["outcome"] == "solo" and e["alive_peers"] < 3]
+        assert len(ended_alone) <= 1, ended_alone
+        hashes = {e["param_sha256"] for e in events if e["peer"] not in ended_alone}
+        assert len(hashes) == 1, (r, sorted(e["param_sha256"][:8] for e in events))
         groups = collections.Counter(e["group_size"] for e in events if e["outcome"] == "averaged")
         if r > 1:  # the state the round's peers heal to is the largest group's: more than half of them average in it
             largest = max((size for size, members in groups.items() if members == size), default=0)
