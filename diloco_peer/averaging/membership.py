@@ -47,12 +47,7 @@ class Membership:
         peer = peer_id.to_base58()
         if self.bans.is_banned(peer):
             return "banned", f"peer {peer} is banned for repeated offenses"
-        proof = None
-        if self.admission.secret is not None:
-            try:
-                proof = self.serializer.loads(self.serializer.loads(gathered)[2]).get("proof", b"")
-            except Exception:
-                proof = b""
+        proof = self._fields(gathered).get("proof", b"") if self.admission.secret is not None else None
         why = self.admission.refuses(peer, proof)
         return ("unadmitted", why) if why else ("", "")
 
@@ -60,10 +55,7 @@ class Membership:
         """How many members the peer that gathers ``gathered`` expects its round's group to have (its round gate's
         count, ``RoundAverager.average``); None if it says none we can read. A member that claims more than there
         are only makes a group we lead gather for its whole window, as without ``start_when_complete``."""
-        try:
-            expected = self.serializer.loads(self.serializer.loads(gathered)[2]).get("expected")
-        except Exception:
-            return None
+        expected = self._fields(gathered).get("expected")
         return expected if isinstance(expected, int) and not isinstance(expected, bool) and expected >= 2 else None
 
     def refuses(self, peer: str) -> bool:
@@ -78,8 +70,8 @@ class Membership:
         bans = {leader: self.bans.banned()}
         for peer, request in requests.items():
             try:
-                bans[peer] = set(self.serializer.loads(self.serializer.loads(request.gather)[2]).get("bans", []))
-            except Exception:  # not our gather format: PseudoGradientAverager._refuse_group deals with such a member
+                bans[peer] = set(self._fields(request.gather).get("bans", []))
+            except TypeError:  # not a list: PseudoGradientAverager._refuse_group deals with such a member
                 bans[peer] = set()
         names = {peer: peer.to_base58() for peer in bans}
         out = left_out({names[p]: banned for p, banned in bans.items()}, leader=names[leader])
@@ -88,6 +80,15 @@ class Membership:
                         f"{', '.join(p[-8:] for p in out)}")
         by_name = {name: peer for peer, name in names.items()}
         return [by_name[name] for name in out]
+
+    def _fields(self, gathered: bytes | None) -> dict:
+        """The fields a member gathers with (``RoundAverager.average``'s ``gather``), inside hivemind's own gather
+        tuple; empty where they are not in our format (a stranger's, a forged one)."""
+        try:
+            fields = self.serializer.loads(self.serializer.loads(gathered)[2])
+        except Exception:
+            return {}
+        return fields if isinstance(fields, dict) else {}
 
     async def refuses_download(self, peer: str, dht: DHT) -> bool:
         """``peer`` (base58) may not download our state: banned, not admitted, or (in a swarm closed by a secret)
