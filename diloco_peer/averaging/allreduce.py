@@ -336,9 +336,9 @@ class ExactAllReduceRunner(AllReduceRunner):
             except Exception as e:
                 return BadContribution("malformed", f"undecodable part: {type(e).__name__}: {e}"), 0.0
 
+        decoded = amap_in_executor(_decode, stream, max_prefetch=self.tensor_part_container.prefetch)
         try:
-            async for part, weight in amap_in_executor(_decode, stream,
-                                                       max_prefetch=self.tensor_part_container.prefetch):
+            async for part, weight in decoded:
                 self._faults.crash_now_if_due(self._allreduce)  # fault injection: crash_in_allreduce
                 try:
                     if isinstance(part, BadContribution):
@@ -355,6 +355,11 @@ class ExactAllReduceRunner(AllReduceRunner):
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await internals.ban_sender(self, self.sender_peer_ids[sender_index])
+                # hivemind answers a member that reduces nothing only once its stream has ended (delayed results);
+                # we read no more of it, so end it here: else that member's answer, and with it our round's last
+                # reply, waited for reducer_timeout
+                await decoded.aclose()
+                await stream.aclose()
             else:
                 self._delivered.add(self.sender_peer_ids[sender_index])
 
