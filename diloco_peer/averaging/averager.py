@@ -156,7 +156,6 @@ class RoundAverager:
                 part_size_bytes=cfg.part_size_bytes,
                 bandwidth=cfg.bandwidth or None,
                 shutdown_timeout=5,
-                declare_state_period=max(cfg.heartbeat * 3, 5.0),
                 limits=Limits.of(cfg),
                 admission=admission,
                 bans=BanList(cfg.ban_after, cfg.ban_seconds),

@@ -56,6 +56,8 @@ def _reads(owner: str, where: str, *names: str) -> tuple[PrivateUse, ...]:
 INVENTORY = (
     # the averager (in its own process): matchmaking, the all-reduce hook, the host <-> averager pipe
     PrivateUse(AVERAGER, "_step", "override", f"{_OURS}: skips leaders we refuse before matchmaking"),
+    PrivateUse(AVERAGER, "_declare_for_download_periodically", "override",
+               f"{_OURS}: no all_averagers records (donors are found by their progress records)"),
     PrivateUse(AVERAGER, "_run_allreduce_inplace_", "copy", f"{_OURS}: exact results, our runner, our checks",
                ("tensors", "group_info", "group_id"),
                "914d57cffc7d69e1ce16b384f3fc0783fbbf08b7fa839634da9571f9c4143925"),

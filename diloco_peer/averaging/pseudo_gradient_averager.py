@@ -235,6 +235,13 @@ class PseudoGradientAverager(DecentralizedAverager):
         async for message in round_log.serve(self, request.metadata):
             yield message
 
+    async def _declare_for_download_periodically(self) -> None:
+        """Declares nothing. hivemind stores every averager under ``<prefix>.all_averagers`` for its own
+        ``load_state_from_peers``, which we never call: donors are found by their progress records
+        (``state/state_sync.py``). So each store was a DHT write per peer and ``declare_state_period`` that nobody
+        read, and one that outlasted its timeout (a DHT process starved in a loaded swarm) was logged as a task
+        exception never retrieved: hivemind starts each store as a task it never awaits."""
+
     async def _keep_round(self, epoch: int, state_hash: str, update: list | None, keep: int) -> None:
         round_log.keep(self, epoch, state_hash, update, keep)
 
