@@ -61,14 +61,21 @@ def test_a_leader_forms_its_full_group_at_once_while_its_loop_is_on_time_and_aft
         await form("late since the round began")
         return took
 
-    took = asyncio.run(scenario())
-    grace = assembly_grace.ASSEMBLY_GRACE
-    waited = {name: seconds >= grace for name, seconds in took.items()}
-    assert waited == {"before a request's timeout was watched": True,
-                      "on time since the start, for a request's timeout": False, "on time for a window": False,
-                      "right after a late wake-up": True, "within the window of a late wake-up": True,
-                      "on time again for a window": False, "late before the round began only": False,
-                      "late since the round began": True}, took
+    expected = {"before a request's timeout was watched": True,
+                "on time since the start, for a request's timeout": False, "on time for a window": False,
+                "right after a late wake-up": True, "within the window of a late wake-up": True,
+                "on time again for a window": False, "late before the round began only": False,
+                "late since the round began": True}
+    # a loaded host wakes the loop late where the scenario meant it on time (the unit lane runs beside swarms):
+    # lateness the scenario did not make only ever adds a grace, so up to three tries, one of them exact
+    tries = []
+    for _ in range(3):
+        took = asyncio.run(scenario())
+        tries.append({name: seconds >= assembly_grace.ASSEMBLY_GRACE for name, seconds in took.items()})
+        if tries[-1] == expected:
+            break
+        assert all(tries[-1][name] for name, waits in expected.items() if waits), (tries, took)
+    assert tries[-1] == expected, tries
 
 
 def test_the_loop_watch_counts_a_late_wake_up_for_a_window_and_a_blocked_loop_at_once():
@@ -86,4 +93,11 @@ def test_the_loop_watch_counts_a_late_wake_up_for_a_window_and_a_blocked_loop_at
         seen.append(lag.calm())
         return seen
 
-    assert asyncio.run(scenario()) == [False, True, False, False, True]
+    expected = [False, True, False, False, True]
+    tries = []
+    for _ in range(3):  # as above: a loaded host's late wake-ups only ever take calm away
+        tries.append(asyncio.run(scenario()))
+        if tries[-1] == expected:
+            break
+        assert not any(seen and not calm for seen, calm in zip(tries[-1], expected)), tries
+    assert tries[-1] == expected, tries
