@@ -389,7 +389,7 @@ def test_a_refused_member_that_reduces_nothing_is_answered_at_once(dhts):
     only once it has sent all its parts. A reducer that refused it mid-stream stopped reading that stream, never saw
     it end and held its own round for ``reducer_timeout``, and every member waiting on that reducer with it (a sign
     flipping fork, slow in round 1 of a loaded suite: three peers' rounds took 45 s). Its parts go unread now, and
-    it hears at once that nothing more comes."""
+    it hears at once that nothing more comes (``delayed_results.py``)."""
     cfg = CFG.model_copy(update={"aggregation": "robust", "part_size_bytes": 4096})  # many parts per span
     nodes = dhts(3)
     averagers = [RoundAverager(dht, SHAPES, "slow-bad", cfg) for dht in nodes[:2]]
@@ -406,8 +406,8 @@ def test_a_refused_member_that_reduces_nothing_is_answered_at_once(dhts):
     finally:
         for a in averagers:
             a.shutdown()
-    summary = [(r.ok, r.group_size, round(r.transfer_seconds, 2), r.values_not_averaged, r.error, r.offenses)
-               for r in results]
+    summary = [(r.ok, r.group_size, round(r.seconds, 2), round(r.transfer_seconds, 2), r.values_not_averaged, r.error,
+                r.offenses) for r in results]
     assert all(r.group_size == 3 for r in results[:2]), summary
     bad_id = nodes[2].peer_id.to_base58()
     for result in results[:2]:
@@ -415,6 +415,8 @@ def test_a_refused_member_that_reduces_nothing_is_answered_at_once(dhts):
         assert {o["offender"] for o in result.offenses} == {bad_id}, summary
         assert result.transfer_seconds < cfg.allreduce_timeout * 0.75 / 4, summary
     assert not results[2].ok or results[2].values_not_averaged, summary  # every reducer refused its parts
+    # and the refused member hears it at once too (it waited for its allreduce_timeout)
+    assert results[2].seconds < cfg.allreduce_timeout / 2, summary
 
 
 @pytest.mark.slow

@@ -43,6 +43,7 @@ from ..config.faults import NO_FAULTS, Faults
 from ..swarm.p2pd_internals import HANG_UP_WAIT, until_the_caller_hangs_up
 from . import hivemind_internals as internals
 from .compression import deserialize
+from .delayed_results import replies_after_sending
 from .member_silence import SilenceWatch
 from .robust_aggregation import BadContribution, CheckedPartReducer, Limits, check_average
 from .traffic import RECEIVED, RELAYED, SENT, CountingStub
@@ -250,8 +251,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         done_sending = asyncio.Event()
         inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
         stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
-        if self.should_delay_results(self.peer_id):
-            await done_sending.wait()
+        if self.should_delay_results(self.peer_id):  # we reduce nothing: answered once our parts are out, or refused
+            stream = await replies_after_sending(stream, done_sending)
         return await self._receive_averages(peer_id, peer_index, stream)
 
     async def _drop_if_gone(self, peer_id: PeerID) -> None:
@@ -355,9 +356,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await internals.ban_sender(self, self.sender_peer_ids[sender_index])
-                # hivemind answers a member that reduces nothing only once its stream has ended (delayed results);
-                # we read no more of it, so end it here: else that member's answer, and with it our round's last
-                # reply, waited for reducer_timeout
+                # hivemind answers a member that reduces nothing only once its stream has ended; we read no more
+                # of it, so end it here: else that answer, our round's last reply, waited for reducer_timeout
+                # (delayed_results.py)
                 await decoded.aclose()
                 await stream.aclose()
             else:
