@@ -19,6 +19,8 @@
    reducer waits for that: a reducer that hung up first could lose its last averages on the way
    (``p2pd_internals.until_the_caller_hangs_up``; seen as partial rounds: BENCHMARKS.md, "Reliability: streams
    that end early").
+7. **A refusal ends a delayed stream** (``delayed_results.py``): a member that reduces nothing is answered only
+   once its stream has ended; a reducer that refuses it ends that stream, and the member reads the end at once.
 
 Two of hivemind's private methods are copied here and changed (``_communicate_with_peer``,
 ``_accumulate_parts_streaming``): ``hivemind_internals.INVENTORY`` records the sha256 of the originals, so
