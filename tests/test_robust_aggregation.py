@@ -451,7 +451,8 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
 
     evil_id = next(e["peer_id"] for e in local_swarm.events("evil") if e["event"] == "start")
     seen = {name: [e for e in local_swarm.events(name) if e["event"] == "round"] for name in honest}
-    summary = {name: [(r["round"], r["outcome"], r["group_size"], r["error"][:60]) for r in seen[name]] for name in seen}
+    summary = {name: [(r["round"], r["outcome"], r["group_size"], r["error"][:60]) for r in rounds_seen]
+               for name, rounds_seen in seen.items()}
     banned_in = {}
     for name in honest:
         offenses = [e for e in local_swarm.events(name) if e["event"] == "offense"]
@@ -467,7 +468,8 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
         # the round a ban came in (offenses are logged during their round, before its record)
         banned_in[name] = next((r["round"] for r in seen[name] if bans and r["time"] >= bans[0]["time"]), None)
         slow = [r for r in seen[name] if r["allreduce_seconds"] > cfg.averaging.allreduce_timeout / 2]
-        assert not slow, (name, slow)  # a group refused after it formed used to hold everyone for the all-reduce timeout
+        # a group refused after it formed used to hold everyone for the all-reduce timeout
+        assert not slow, (name, slow)
         assert "exception was never retrieved" not in (local_swarm.workdir / f"{name}.log").read_text(), name
     assert any(banned_in.values()), (banned_in, summary)
     # p0's ban costs p1 and p2 no round (p0 itself stays out of a group the attacker leads). But the last: a peer
