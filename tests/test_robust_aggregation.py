@@ -473,10 +473,12 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
         assert "exception was never retrieved" not in (local_swarm.workdir / f"{name}.log").read_text(), name
     assert any(banned_in.values()), (banned_in, summary)
     # p0's ban costs p1 and p2 no round (p0 itself stays out of a group the attacker leads). But the last: a peer
-    # that looks for its group once the others have ended the run (and left) finds none, and steps alone
+    # that looks for its group once the others have ended the run (and left) finds none, or nobody at its gate,
+    # and steps alone
     for name in ("p1", "p2"):
         lost = [r for r in seen[name] if r["outcome"] not in ("averaged", "partial")]
-        assert all(r["round"] == rounds and "could not find a group" in r["error"] for r in lost), summary
+        assert all(r["round"] == rounds and ("could not find a group" in r["error"] or r["outcome"] == "solo")
+                   for r in lost), summary
     # p0's lost rounds: groups it could not find (the attacker led them, or the others' gate went on while p0 was
     # still in the round before: seen in CI, two rounds out), or a solo step once the others had left
     lost = [r for r in seen["p0"] if r["outcome"] not in ("averaged", "partial")]
