@@ -451,8 +451,8 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
 
     evil_id = next(e["peer_id"] for e in local_swarm.events("evil") if e["event"] == "start")
     seen = {name: [e for e in local_swarm.events(name) if e["event"] == "round"] for name in honest}
-    summary = {name: [(r["round"], r["outcome"], r["group_size"], r["error"][:60]) for r in rounds_seen]
-               for name, rounds_seen in seen.items()}
+    summary = {name: [(r["round"], r["outcome"], r["group_size"], round(r["eval_loss"], 3), r["error"][:60])
+                      for r in rounds_seen] for name, rounds_seen in seen.items()}
     banned_in = {}
     for name in honest:
         offenses = [e for e in local_swarm.events(name) if e["event"] == "offense"]
