@@ -425,6 +425,12 @@ def test_stop_in_an_all_reduce_and_in_a_state_sync(local_swarm):
     for case in cases:
         case.check(KILLED if case.sig == signal.SIGKILL else 0)
 
+    # a newcomer has something to download only once its partner ended a round: the partner's first round can
+    # outlast the victim's death by seconds (a member gone mid-round), and a newcomer that came meanwhile found the
+    # partner at epoch 0 too, joined its round and never synced (a fresh clone's suite)
+    for run in runs:
+        wait_until(lambda: any(e["event"] == "round" for e in local_swarm.events(f"partner-{run}")),
+                   f"partner-{run}'s round", 120)
     newcomers = {run: local_swarm.start_peer(f"sync-{run}", f"run.run_id=life-{run}", *common) for run in runs}
     cases = []
     for run, proc in newcomers.items():
