@@ -453,7 +453,7 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
     seen = {name: [e for e in local_swarm.events(name) if e["event"] == "round"] for name in honest}
     summary = {name: [(r["round"], r["outcome"], r["group_size"], round(r["eval_loss"], 3), r["error"][:60])
                       for r in rounds_seen] for name, rounds_seen in seen.items()}
-    banned_in = {}
+    banned_by = []
     for name in honest:
         offenses = [e for e in local_swarm.events(name) if e["event"] == "offense"]
         # nobody else accused. An honest peer may accuse nobody: one that reduced no span (the split is paced: a peer
@@ -465,13 +465,12 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
         counted = [e for e in offenses if "not counted" not in e["detail"]]
         if name == "p0":  # ban_after=1: its first offense that counts bans
             assert not counted or counted[0]["banned"], counted
-        # the round a ban came in (offenses are logged during their round, before its record)
-        banned_in[name] = next((r["round"] for r in seen[name] if bans and r["time"] >= bans[0]["time"]), None)
+        banned_by += [name] if bans else []
         slow = [r for r in seen[name] if r["allreduce_seconds"] > cfg.averaging.allreduce_timeout / 2]
         # a group refused after it formed used to hold everyone for the all-reduce timeout
         assert not slow, (name, slow)
         assert "exception was never retrieved" not in (local_swarm.workdir / f"{name}.log").read_text(), name
-    assert any(banned_in.values()), (banned_in, summary)
+    assert banned_by, summary  # someone banned the attacker
     # p0's ban costs p1 and p2 no round (p0 itself stays out of a group the attacker leads). But the last: a peer
     # that looks for its group once the others have ended the run (and left) finds none, or nobody at its gate,
     # and steps alone

@@ -27,8 +27,7 @@ async def replies_after_sending(replies: AsyncIterator, sent: asyncio.Event) -> 
     try:
         await asyncio.wait({first, sending}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
-        first.cancel()
-        await asyncio.gather(first, return_exceptions=True)  # (before closing a stream it may still be reading)
+        await _stopped(first)
         raise
     finally:
         sending.cancel()
@@ -44,7 +43,12 @@ async def _starting_with(first: asyncio.Future, replies: AsyncIterator) -> Async
         async for message in replies:
             yield message
     finally:
-        if not first.done():
-            first.cancel()
-            await asyncio.gather(first, return_exceptions=True)
+        await _stopped(first)
         await replies.aclose()
+
+
+async def _stopped(first: asyncio.Future) -> None:
+    """``first`` cancelled, if still reading, and over: a stream it may still be reading is closed only after."""
+    if not first.done():
+        first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
