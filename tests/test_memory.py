@@ -189,9 +189,12 @@ def test_a_donor_stepping_during_a_download_serves_the_state_it_started_with(pee
             time.sleep(0.0005)
         donor.advance(1)
 
+    steps = []
+
     def provide_and_step():
         answer = provide()  # registers this download, with the live tensors
         stepping = threading.Thread(target=step_once_sent, args=(averager.served.opened[0],))
+        steps.append(stepping)
         stepping.start()
         if not sent_first:
             stepping.join()  # stepped before the averager process saw a tensor: all of it comes from the copy
@@ -201,9 +204,7 @@ def test_a_donor_stepping_during_a_download_serves_the_state_it_started_with(pee
     result = asyncio.run(newcomer.sync.sync(target))
     assert result.ok, result.error  # the hash the donor published for epoch 2 holds for what it sent
     assert newcomer.sync.state_hash == target.state_hash and newcomer.outer.epoch == 2
-    deadline = time.monotonic() + 10
-    while donor.outer.epoch < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    steps[0].join(timeout=10)  # (the step sets the epoch before the hash: polling the epoch read the old hash)
     assert donor.outer.epoch == 3 and donor.sync.state_hash != target.state_hash
     n = len(donor.outer.params)
     if spill:  # the unread weights and momentum; or the momentum's copy for the download, then the unread weights
