@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/swarm_size.py --peers 4,8,16,32 --rounds 4           # the swarms: ~30 min
     .venv/bin/python bench/swarm_size.py --peers 0 --publishers 4,32,100,300    # the DHT cost alone: ~5 min
+    .venv/bin/python bench/swarm_size.py --peers 0 --publishers 0 --idle 4,8,16  # a waiting peer's CPU: ~8 min
 
 **Swarms** (``--peers``): a bootstrap node and N ``diloco-peer join`` processes on loopback (tiny-cpu, H=20, one
 thread each, the first round waiting for all N), ``--rounds`` rounds. Per round, from the peers' event logs: the
@@ -15,14 +16,21 @@ nodes of this process (``--nodes`` of them, N / nodes signers each, ``ManySigner
 records under the key, not on who stores them), and a gate that reads them as a waiting peer does
 (``SwarmProgress.swarm_records``) for ``--gate-seconds``, polling as ``SwarmProgress.poll_interval`` says. Per N: the
 bytes one read returns, its seconds, the reads of one gate's wait, and so the bytes one peer reads in a round's gate.
+
+**A waiting peer's CPU** (``--idle``): N peers (as ``--peers`` starts them, from a zygote) at their first round's
+gate, which waits for N + 1; once they have waited ``--idle-settle`` seconds, each process's CPU time over
+``--idle-seconds``, as a share of one core, by role (``scale.tree``: the peer, its DHT and averager processes, p2pd,
+the reaper), the median over the peers. What dozens of peers on one machine pay before any of them trains.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import pickle
+import shutil
 import statistics
 import sys
 import time
@@ -33,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from results import figure, save  # noqa: E402
-from scale import Sampler  # noqa: E402
+from scale import Sampler, tree  # noqa: E402
 
 from hivemind.dht import DHT  # noqa: E402
 from hivemind.dht.crypto import RSASignatureValidator  # noqa: E402
@@ -45,6 +53,7 @@ from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
 from diloco_peer.swarm.progress_record import ProgressRecord, ProgressSchema  # noqa: E402
 from diloco_peer.swarm.progress_store import ExpirationCap, fetch_progress_entries  # noqa: E402
 from diloco_peer.tools.local_swarm import LocalSwarm  # noqa: E402
+from diloco_peer.tools.zygote import Zygote  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SETS = ["outer.inner_steps=20", "run.threads=1", "checkpoint.dir=''", "data.max_bytes=1_000_000",
@@ -89,6 +98,46 @@ def swarm(workdir: Path, peers: int, rounds: int) -> dict:
     peaks = [sampler.peak(name)["pss"] for name in names]
     return {"peers": peers, "rounds": table, "pss_per_peer": statistics.median(peaks), "pss_max": max(peaks),
             "wall": time.monotonic() - started}
+
+
+def idle_cost(workdir: Path, peers: int, settle: float, seconds: float) -> dict:
+    """N peers waiting at their first gate: each role's share of a core (see the module docstring)."""
+    import psutil
+
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    sets = [*SETS, f"averaging.min_peers={peers + 1}", "averaging.first_round_timeout=3600"]
+    with Zygote.start() as zygote, LocalSwarm(workdir, sets=sets, zygote=zygote) as local:
+        local.start_bootstrap("--report-every", "600")
+        names = [f"p{i}" for i in range(peers)]
+        for name in names:
+            local.start_peer(name)
+        local.wait_for(f"{peers} peers at their first gate", lambda: all(  # (the first round trains H steps)
+            sum(e["steps"] for e in local.events(name, "progress")) >= 20 for name in names), timeout=120 + 10 * peers)
+        time.sleep(settle)
+        processes = {name: tree(local.peers[name].pid) for name in names}
+
+        def cpu() -> dict[int, float]:
+            times = {}
+            for pid in {pid for found in processes.values() for _, pid in found}:
+                with contextlib.suppress(psutil.Error):
+                    used = psutil.Process(pid).cpu_times()
+                    times[pid] = used.user + used.system
+            return times
+
+        before, started = cpu(), time.monotonic()
+        time.sleep(seconds)
+        after, elapsed = cpu(), time.monotonic() - started
+    shares: dict[str, list[float]] = {}
+    for found in processes.values():
+        per_role: dict[str, float] = {}
+        for role, pid in found:
+            if pid in before and pid in after:
+                per_role[role] = per_role.get(role, 0.0) + (after[pid] - before[pid]) / elapsed
+        for role, share in per_role.items():
+            shares.setdefault(role, []).append(share)
+        shares.setdefault("all", []).append(sum(per_role.values()))
+    return {"peers": peers, "seconds": seconds, "core_share": {role: statistics.median(v) for role, v in shares.items()}}
 
 
 class ManySigners(RSASignatureValidator):
@@ -169,9 +218,13 @@ def main() -> int:
     parser.add_argument("--publishers", default="4,32,100,300", help="comma-separated record counts (0: none)")
     parser.add_argument("--nodes", type=int, default=8, help="DHT nodes that publish the records")
     parser.add_argument("--gate-seconds", type=float, default=10.0, help="how long the measured gate waits")
+    parser.add_argument("--idle", default="0", help="comma-separated swarm sizes whose waiting peers' CPU to "
+                        "measure (0: none)")
+    parser.add_argument("--idle-settle", type=float, default=20.0, help="seconds the peers wait before it")
+    parser.add_argument("--idle-seconds", type=float, default=30.0, help="seconds it is measured over")
     parser.add_argument("--workdir", default="runs/bench-swarm-size")
     args = parser.parse_args()
-    figures, out = [], {"swarms": [], "gates": []}
+    figures, out = [], {"swarms": [], "gates": [], "idle": []}
     for n in [int(v) for v in args.peers.split(",") if int(v)]:
         result = swarm(Path(args.workdir) / f"n{n}", n, args.rounds)
         out["swarms"].append(result)
@@ -195,6 +248,13 @@ def main() -> int:
               f"{result['bytes_per_read'] / 1e3:.1f} kB in {result['read_seconds'] * 1e3:.0f} ms; a "
               f"{args.gate_seconds:g} s gate reads {result['reads']} times, {result['bytes_per_gate'] / 1e3:.0f} kB",
               flush=True)
+    for n in [int(v) for v in args.idle.split(",") if int(v)]:
+        result = idle_cost(Path(args.workdir) / f"idle{n}", n, args.idle_settle, args.idle_seconds)
+        out["idle"].append(result)
+        shares = result["core_share"]
+        print(f"{n:>3} waiting peers, % of a core each (median): " + ", ".join(
+            f"{role} {share:.2%}" for role, share in sorted(shares.items(), key=lambda kv: -kv[1])), flush=True)
+        figures.append(figure("idle_peer_core_share", shares["all"], 1.0, peers=n, per_peer=shares))  # of a core
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     (Path(args.workdir) / "swarm_size.json").write_text(json.dumps(out, indent=1))
     save(figures)

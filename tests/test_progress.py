@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import FAST, forked_client, wait_until
 from fake_swarm import Board, BoardProgress
-from hivemind.dht import DHT
+from hivemind.dht import DHT, DHTID
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import SchemaValidator
 from hivemind.utils import get_dht_time
@@ -158,6 +158,47 @@ def test_the_expiration_cap_passes_hiveminds_own_records():
     assert not cap.validate(DHTRecord(b"k", b"s", b"v", get_dht_time() + MAX_TTL + 1))
     assert cap.merge_with(ExpirationCap(60.0)) and cap.max_ttl == 60.0
     assert not cap.merge_with(RSASignatureValidator(RSAPrivateKey()))
+
+
+def test_a_record_checked_once_passes_again_without_the_check_until_it_changes(monkeypatch):
+    """A waiting gate reads the same records again and again: a signature that passed is not checked again; a
+    record that changed (another value, another expiration) or failed is checked every time it comes."""
+    import pickle
+
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils.crypto import RSAPublicKey
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    checks = []
+    verify = RSAPublicKey.verify
+    monkeypatch.setattr(RSAPublicKey, "verify", lambda *args: checks.append(1) or verify(*args))
+    # validators travel to the DHT process pickled: the copy is the one that checks
+    signer = pickle.loads(pickle.dumps(progress_store.RememberedSignatures(RSAPrivateKey())))
+
+    def signed(epoch: int, expiration: float) -> DHTRecord:
+        record = DHTRecord(b"k", signer.local_public_key, MSGPackSerializer.dumps({"epoch": epoch}), expiration)
+        return DHTRecord(record.key, record.subkey, signer.sign_value(record), expiration)
+
+    now = get_dht_time()
+    first, second = signed(1, now + 10), signed(2, now + 10)
+    assert signer.validate(first) and signer.validate(first) and len(checks) == 1
+    assert signer.validate(second) and len(checks) == 2
+    forged = DHTRecord(first.key, first.subkey, first.value, now + 20)  # a later expiration, the old signature
+    assert not signer.validate(forged) and not signer.validate(forged) and len(checks) == 4
+    monkeypatch.setattr(progress_store.RemembersPassed, "REMEMBERED", 1)
+    assert signer.validate(signed(3, now + 10)) and len(checks) == 5  # remembered alone: the others forgotten
+    assert signer.validate(first) and len(checks) == 6
+    assert signer.merge_with(RSASignatureValidator(RSAPrivateKey()))  # what it remembers goes with a merge
+    assert signer.validate(first) and len(checks) == 7
+    parsed = []
+    parse = ProgressSchema.parse_obj.__func__
+    monkeypatch.setattr(ProgressSchema, "parse_obj", classmethod(lambda *args: parsed.append(1) or parse(*args)))
+    schema = pickle.loads(pickle.dumps(progress_store.RememberedSchema(ProgressSchema, prefix=RUN)))
+    key, subkey = DHTID.generate(source=KEY).to_bytes(), MSGPackSerializer.dumps(signer.local_public_key)
+    good = DHTRecord(key, subkey, MSGPackSerializer.dumps(_good("p", 1)), now + 10)
+    bad = DHTRecord(key, subkey, MSGPackSerializer.dumps({**_good("p", 1), "epoch": "one"}), now + 10)
+    assert schema.validate(good) and schema.validate(good) and len(parsed) == 1
+    assert not schema.validate(bad) and not schema.validate(bad) and len(parsed) == 3
 
 
 @pytest.mark.parametrize("change", [

@@ -153,7 +153,7 @@ class SwarmProgress:
     """The longest wait between two slow polls: a gate leaves its stragglers (``averaging.ready_timeout``) at most
     this late."""
     NUDGE_GAP = 0.005
-    """Seconds between two looks at ``nudged`` while the gate waits: also the shortest wait between two reads."""
+    """The shortest wait between two reads, however often the gate is nudged."""
 
     def __init__(self, dht: DHT, run_id: str, peer_id: str, heartbeat: float, *, faults: Faults = NO_FAULTS):
         self.dht = dht
@@ -348,10 +348,13 @@ class SwarmProgress:
         """The gate's wait between two reads, ``peers`` live and waiting since ``since``: a poll (fast in the first
         ``FAST_POLL_WINDOW`` seconds, then slower the more peers there are), or until ``nudged`` (``NUDGE_GAP`` at
         least)."""
-        end = time.monotonic() + self.poll_interval(peers, time.monotonic() - since)
-        while self.nudged is not None and time.monotonic() + self.NUDGE_GAP < end:
-            await asyncio.sleep(self.NUDGE_GAP)
-            if self.nudged.is_set():
-                self.nudged.clear()
-                return
-        await asyncio.sleep(max(0.0, end - time.monotonic()))
+        seconds = self.poll_interval(peers, time.monotonic() - since)
+        if self.nudged is None:
+            await asyncio.sleep(seconds)
+            return
+        # blocked in a thread on the event, not woken every few ms to look at it: a peer waits at its gate most of
+        # a round, and dozens of them on one machine spent a share of its cores looking (BENCHMARKS.md, "Many peers")
+        started = time.monotonic()
+        if await hivemind_calls.call(self.nudged.wait, seconds):
+            self.nudged.clear()
+            await asyncio.sleep(max(0.0, started + self.NUDGE_GAP - time.monotonic()))

@@ -9,6 +9,7 @@ answers our search. ``progress.py`` publishes our record and reads the others' t
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
@@ -55,6 +56,46 @@ class ExpirationCap(RecordValidatorBase):
         return True
 
 
+class RemembersPassed:
+    """A record validator that remembers the last ``REMEMBERED`` records it passed: one that passed once passes
+    again without the work.
+
+    A waiting gate reads every peer's record, each from several nodes, and most of them have not changed since its
+    last read (a record changes once a heartbeat): checking their signatures and schemas again and again took a
+    third of a waiting peer's DHT process (BENCHMARKS.md, "Many peers"). Only a pass is remembered, and a record is
+    the whole of what the check reads (key, subkey, value, expiration), so the answer is the one the check would
+    give; a merge with another validator (hivemind merges schemas) forgets them all.
+    """
+
+    REMEMBERED = 4096
+
+    def validate(self, record: DHTRecord) -> bool:
+        passed = self.__dict__.setdefault("_passed", OrderedDict())  # (made here: validators arrive pickled)
+        if record in passed:
+            passed.move_to_end(record)
+            return True
+        if not super().validate(record):
+            return False
+        passed[record] = None
+        if len(passed) > self.REMEMBERED:
+            passed.popitem(last=False)
+        return True
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        merged = super().merge_with(other)
+        if merged:
+            self.__dict__.pop("_passed", None)
+        return merged
+
+
+class RememberedSignatures(RemembersPassed, RSASignatureValidator):
+    """hivemind's signature check of owned records, remembering what passed."""
+
+
+class RememberedSchema(RemembersPassed, SchemaValidator):
+    """hivemind's schema check, remembering what passed."""
+
+
 def add_progress_validators(dht: DHT, run_id: str) -> bytes:
     """Install the signature, schema and expiration validators for ``run_id``; returns our public key (the
     subkey).
@@ -62,8 +103,8 @@ def add_progress_validators(dht: DHT, run_id: str) -> bytes:
     Each caller gets a key of its own (not hivemind's process-wide one), so that two peers that share a
     process, as in tests, still own separate records.
     """
-    signer = RSASignatureValidator(RSAPrivateKey())
-    dht.add_validators([SchemaValidator(ProgressSchema, prefix=run_id), signer, ExpirationCap()])
+    signer = RememberedSignatures(RSAPrivateKey())
+    dht.add_validators([RememberedSchema(ProgressSchema, prefix=run_id), signer, ExpirationCap()])
     return signer.local_public_key
 
 
