@@ -137,7 +137,8 @@ def idle_cost(workdir: Path, peers: int, settle: float, seconds: float) -> dict:
         for role, share in per_role.items():
             shares.setdefault(role, []).append(share)
         shares.setdefault("all", []).append(sum(per_role.values()))
-    return {"peers": peers, "seconds": seconds, "core_share": {role: statistics.median(v) for role, v in shares.items()}}
+    medians = {role: statistics.median(values) for role, values in shares.items()}
+    return {"peers": peers, "seconds": seconds, "core_share": medians}
 
 
 class ManySigners(RSASignatureValidator):
