@@ -61,10 +61,10 @@ class RemembersPassed:
     again without the work.
 
     A waiting gate reads every peer's record, each from several nodes, and most of them have not changed since its
-    last read (a record changes once a heartbeat): checking their signatures and schemas again and again took a
-    third of a waiting peer's DHT process (BENCHMARKS.md, "Many peers"). Only a pass is remembered, and a record is
-    the whole of what the check reads (key, subkey, value, expiration), so the answer is the one the check would
-    give; a merge with another validator (hivemind merges schemas) forgets them all.
+    last read (a record changes once a heartbeat): checking their signatures and schemas again and again was the
+    largest part of a waiting peer's DHT process's work (BENCHMARKS.md, "Many peers"). Only a pass is remembered,
+    and a record is the whole of what the check reads (key, subkey, value, expiration), so the answer is the one
+    the check would give; a merge with another validator (hivemind merges schemas) forgets them all.
     """
 
     REMEMBERED = 4096
