@@ -60,6 +60,16 @@ def test_the_bootstrap_address_is_read_from_its_join_line_and_its_whole_group_is
     swarm.reap()  # twice: nothing to do
 
 
+def test_a_workdir_used_before_gives_the_new_bootstraps_address_not_the_old_one(tmp_path):
+    """Logs are appended to: a benchmark run again in its workdir had its peers join the address the last run's
+    bootstrap printed, and they retried it until their join timeout."""
+    (tmp_path / "bootstrap.log").write_text("diloco-peer join /ip4/127.0.0.1/tcp/9/p2p/QmOld\n")
+    slow = [sys.executable, "-c", "import time; time.sleep(0.5); "
+            "print('diloco-peer join /ip4/127.0.0.1/tcp/1/p2p/QmNew', flush=True); time.sleep(600)"]
+    with LocalSwarm(tmp_path, program=slow) as swarm:
+        assert swarm.start_bootstrap() == "/ip4/127.0.0.1/tcp/1/p2p/QmNew"
+
+
 def test_a_bootstrap_that_exits_without_an_address_raises_with_its_log(tmp_path):
     swarm = LocalSwarm(tmp_path, program=[sys.executable, "-c", "print('no such key'); raise SystemExit(2)"])
     with swarm, pytest.raises(SwarmError, match="exited with code 2(.|\n)*no such key"):

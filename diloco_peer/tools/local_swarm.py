@@ -147,12 +147,15 @@ class LocalSwarm:
         :param extra: its arguments after ``bootstrap_args`` (e.g. ``"--run-id", "bench"``)
         :param listen: its multiaddress; inside a namespace, an address of that namespace
         """
+        log, deadline = self.workdir / log_name, time.monotonic() + timeout
+        earlier = log.stat().st_size if log.exists() else 0  # a log is appended to: a workdir used before has one
         proc = self.spawn(["bootstrap", "--listen", listen, *self.bootstrap_args, *extra], log_name, netns=netns)
         self.bootstraps.append(proc)
-        log, deadline = self.workdir / log_name, time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check()
-            lines = log.read_text(errors="replace").splitlines()
+            with log.open("rb") as f:
+                f.seek(earlier)
+                lines = f.read().decode(errors="replace").splitlines()
             address = next((line.split()[2] for line in lines if line.startswith(JOIN_LINE)), "")
             if address:
                 self.address = self.address or address
