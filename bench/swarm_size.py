@@ -63,7 +63,8 @@ SETS = ["outer.inner_steps=20", "run.threads=1", "checkpoint.dir=''", "data.max_
 
 def swarm(workdir: Path, peers: int, rounds: int) -> dict:
     """N peers for ``rounds`` rounds; what their logs and the memory sampler say (see the module docstring)."""
-    workdir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(workdir, ignore_errors=True)  # event logs are appended to: a run again would read the last one's
+    workdir.mkdir(parents=True)
     sets = [*SETS, f"run.max_rounds={rounds}", f"averaging.min_peers={peers}"]
     sampler = Sampler(2.0, float("inf"), lambda total: None)
     names = [f"p{i}" for i in range(peers)]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 import statistics
 import sys
 import time
@@ -44,7 +45,8 @@ small corpus, one eval batch; everything else is tiny-cpu's default: no tuning f
 
 def run(workdir: Path, shares: list[str], length: str, rounds: int, extra: list[str]) -> dict:
     """A swarm of ``len(shares)`` peers for ``rounds`` rounds; its measurements (see the module docstring)."""
-    workdir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(workdir, ignore_errors=True)  # event logs are appended to: a run again would read the last one's
+    workdir.mkdir(parents=True)
     names = [f"p{i}" for i in range(len(shares))]
     with contextlib.ExitStack() as stack:
         # the first round waits for every peer (a throttled one takes a while to start): the rounds measured are
