@@ -2,7 +2,6 @@
 
 import asyncio
 import math
-import multiprocessing
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from diloco_peer.config import load_config
+from diloco_peer.averaging.member_news import Nudge
 from diloco_peer.config.faults import Faults
 from diloco_peer.swarm import progress_store
 from diloco_peer.swarm.progress import ALL_READY, SwarmProgress
@@ -275,7 +275,7 @@ def test_a_gate_told_that_the_last_peer_is_ready_reads_at_once(two_dhts, monkeyp
     async def scenario():
         a = SwarmProgress(dht_a, RUN, "peer-a", heartbeat=5)
         b = SwarmProgress(dht_b, RUN, "peer-b", heartbeat=5)
-        b.nudged = multiprocessing.Event()
+        b.nudged = Nudge()
         await a.publish(epoch=0, ready=False)
         await b.publish(epoch=0, ready=True)
         waiting = asyncio.create_task(b.wait_until_ready(min_peers=2, min_peers_timeout=30, ready_timeout=30))

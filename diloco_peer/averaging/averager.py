@@ -168,7 +168,7 @@ class RoundAverager:
 
     @property
     def nudged(self):
-        """Set (a ``multiprocessing.Event``) when a peer says the round's last one is ready (``member_news.py``)."""
+        """Set (a ``member_news.Nudge``) when a peer says the round's last one is ready (``member_news.py``)."""
         return self.averager.news.nudged
 
     @property
@@ -344,3 +344,4 @@ class RoundAverager:
 
     def shutdown(self) -> None:
         self.averager.shutdown()
+        self.averager.news.nudged.close()

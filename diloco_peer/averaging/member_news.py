@@ -18,8 +18,10 @@ hivemind serves the ``rpc_*`` methods of the averager's own class, so both handl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import multiprocessing as mp
+import os
+import select
 from collections.abc import Callable
 
 from hivemind.p2p import PeerID
@@ -31,6 +33,58 @@ NUDGE_TIMEOUT = 2.0
 logger = logging.getLogger(__name__)
 
 
+class Nudge:
+    """A flag the averager process raises and the host's round gate waits on, in its event loop, without polling.
+
+    A ``multiprocessing.Event`` has nothing an event loop can watch: the gate looked at one every few milliseconds
+    (dozens of waiting peers on one machine spent a share of its cores looking), and a thread per wait instead slowed
+    the rounds of a loaded machine (BENCHMARKS.md, "Many peers"). This is a non-blocking pipe, made before the
+    averager process forks: ``set`` writes a byte, the gate's loop watches the read end (``wait_in_loop``).
+    """
+
+    def __init__(self):
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def set(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):  # a pipe full of unread nudges: set already (or closed)
+            os.write(self._write, b"\0")
+
+    def is_set(self) -> bool:
+        return self.wait(0)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until set (``timeout`` seconds at most); whether it is (never, once closed)."""
+        return self._read >= 0 and bool(select.select([self._read], [], [], timeout)[0])
+
+    def clear(self) -> None:
+        with contextlib.suppress(OSError):  # (BlockingIOError: nothing more to read)
+            while os.read(self._read, 4096):
+                pass
+
+    async def wait_in_loop(self, timeout: float) -> bool:
+        """``wait``, in the running event loop: it sleeps until the byte comes or the time is up."""
+        if self.is_set():
+            return True
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+        loop.add_reader(self._read, lambda: woken.done() or woken.set_result(True))
+        try:
+            await asyncio.wait_for(woken, timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            loop.remove_reader(self._read)
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._read = self._write = -1
+
+
 class MemberNews:
     """The news "the round's last peer is ready", heard and told, for one averager.
 
@@ -38,7 +92,7 @@ class MemberNews:
     """
 
     def __init__(self):
-        self.nudged = mp.Event()
+        self.nudged = Nudge()
         """Set when another peer says the round's last peer is ready; the host's round gate watches it
         (``SwarmProgress.nudged``) and clears it."""
 

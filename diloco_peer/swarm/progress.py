@@ -352,9 +352,7 @@ class SwarmProgress:
         if self.nudged is None:
             await asyncio.sleep(seconds)
             return
-        # blocked in a thread on the event, not woken every few ms to look at it: a peer waits at its gate most of
-        # a round, and dozens of them on one machine spent a share of its cores looking (BENCHMARKS.md, "Many peers")
         started = time.monotonic()
-        if await hivemind_calls.call(self.nudged.wait, seconds):
+        if await self.nudged.wait_in_loop(seconds):  # (``member_news.Nudge``: the loop sleeps until told)
             self.nudged.clear()
             await asyncio.sleep(max(0.0, started + self.NUDGE_GAP - time.monotonic()))
