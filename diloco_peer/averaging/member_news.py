@@ -37,9 +37,9 @@ class Nudge:
     """A flag the averager process raises and the host's round gate waits on, in its event loop, without polling.
 
     A ``multiprocessing.Event`` has nothing an event loop can watch: the gate looked at one every few milliseconds
-    (dozens of waiting peers on one machine spent a share of its cores looking), and a thread per wait instead slowed
-    the rounds of a loaded machine (BENCHMARKS.md, "Many peers"). This is a non-blocking pipe, made before the
-    averager process forks: ``set`` writes a byte, the gate's loop watches the read end (``wait_in_loop``).
+    (dozens of waiting peers on one machine spent a share of its cores looking: BENCHMARKS.md, "Many peers"), or
+    would need a thread started for each wait. This is a non-blocking pipe, made before the averager process forks:
+    ``set`` writes a byte, the gate's loop watches the read end (``wait_in_loop``).
     """
 
     def __init__(self):
