@@ -396,19 +396,26 @@ def test_a_refused_member_that_reduces_nothing_is_answered_at_once(dhts):
     averagers.append(RoundAverager(nodes[2], SHAPES, "slow-bad", cfg, faults=Faults.parse("poison:signflip")))
     inputs = [_honest_pseudo_gradient(seed) for seed in (1, 2, 3)]
 
-    async def one_round():
-        rounds = (a.average(x, weight=1000, epoch=0, expected=3, step_seconds=pace)
+    async def one_round(epoch: int):
+        rounds = (a.average(x, weight=1000, epoch=epoch, expected=3, step_seconds=pace)
                   for a, x, pace in zip(averagers, inputs, (0.1, 0.1, 100.0)))
         return await asyncio.wait_for(asyncio.gather(*rounds), 60)
 
+    tries = []
     try:
-        results = asyncio.run(one_round())
+        # what is checked is the round of all three; a loaded CI host once had the third miss the leader's window
+        # (the two averaged alone, the third found no group), which says nothing about the refusal: try again
+        for epoch in range(3):
+            results = asyncio.run(one_round(epoch))
+            summary = [(r.ok, r.group_size, round(r.seconds, 2), round(r.transfer_seconds, 2), r.values_not_averaged,
+                        r.error, r.offenses) for r in results]
+            tries.append(summary)
+            if all(r.group_size == 3 for r in results[:2]):
+                break
     finally:
         for a in averagers:
             a.shutdown()
-    summary = [(r.ok, r.group_size, round(r.seconds, 2), round(r.transfer_seconds, 2), r.values_not_averaged, r.error,
-                r.offenses) for r in results]
-    assert all(r.group_size == 3 for r in results[:2]), summary
+    assert all(r.group_size == 3 for r in results[:2]), tries
     bad_id = nodes[2].peer_id.to_base58()
     for result in results[:2]:
         assert result.ok and result.values_not_averaged == 0, summary
