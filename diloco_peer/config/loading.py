@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from .errors import ConfigError, shortened
-from .schema import PeerConfig
+from .peer import PeerConfig
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from .errors import ConfigError, shortened
 from .loading import parse_override, read_tree, resolve_config_path
-from .schema import PeerConfig
+from .peer import PeerConfig
 
 SWARM_WIDE = (
     # the run and its replica: a pseudo-gradient is only averaged with those of the same initial weights and shape
@@ -37,7 +37,7 @@ SWARM_WIDE = (
     "outer.overlap",
     "averaging.compression", "averaging.min_peers", "averaging.first_round_timeout", "averaging.ready_timeout",
     "averaging.matchmaking_time", "averaging.start_when_complete", "averaging.request_timeout",
-    "averaging.allreduce_timeout", "averaging.heartbeat", "averaging.part_size_bytes",
+    "averaging.allreduce_timeout", "averaging.heartbeat", "averaging.part_size_bytes", "averaging.hand_in_slower_than",
     # the defences every reducer applies to the parts it averages
     "averaging.max_update_ratio", "averaging.max_weight_ratio", "averaging.aggregation", "averaging.min_cosine",
     "averaging.ban_cosine", "averaging.ban_after", "averaging.ban_seconds",
