@@ -129,6 +129,7 @@ class RoundAverager:
         self._in_flight = False  # an all-reduce may be using the buffers: they must not be released
         self._control = None  # the last round's step in the averager process (hivemind's StepControl)
         self._sent_norm = 0.0
+        self._handed = (0.0, None)  # when our last hand-in began, and our traffic counters then (``handed_back``)
         self._owns_inputs = inputs is None
         # before the fork: the averager process reads them
         self._inputs = flat_tensors(shapes, shared=True) if inputs is None else inputs
@@ -231,11 +232,7 @@ class RoundAverager:
     async def _average(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int, expected: int | None,
                        nudge: list[str], step_seconds: float | None, started: float,
                        before: torch.Tensor) -> RoundResult:
-        if any(a is not b for a, b in zip(pseudo_gradient, self._inputs)):  # not written in place: copied
-            with self.averager.get_tensors():  # (a late all-reduce of an abandoned round must not read it half-way)
-                for target, source in zip(self._inputs, pseudo_gradient):
-                    target.copy_(source)
-        self._sent_norm = vector_norm(pseudo_gradient)
+        self._copy_in(pseudo_gradient)
         weight = self.faults.poisoned_weight(weight)
         # one matchmaking key per outer epoch: a late peer still averaging epoch e never lands in the group of epoch
         # e+1, where its pseudo-gradient (relative to older weights) would poison everyone's step; and the size at
@@ -278,6 +275,44 @@ class RoundAverager:
         epochs = [int(meta["epoch"]) for meta in gathered.values()]
         return self._result(True, started, before, averaged=averaged, group_size=len(gathered), group_epochs=epochs)
 
+    async def hand_in(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int, proxy: str) -> str:
+        """Hand ``pseudo_gradient`` (weighted by ``weight``, its tokens) in to ``proxy`` (base58) for the round of
+        ``epoch``, instead of joining its all-reduce (``hand_in.py``): sent whole, in fp32. Why it was not taken ("" if
+        it was: ``handed_back`` gets the round's average from the proxy once its round ended)."""
+        self._handed = (time.perf_counter(), self.averager.traffic.clone())
+        self._copy_in(pseudo_gradient)
+        self._in_flight = True
+        try:
+            timeout = self.cfg.request_timeout * 10
+            return await hivemind_calls.call(self.averager.hand_in_to, proxy, epoch,
+                                             float(self.faults.poisoned_weight(weight)),
+                                             self.admission.proof(self.peer_id), timeout, timeout=timeout * 2)
+        except Exception as e:  # the proxy is gone, or broke off: we join the all-reduce instead
+            return f"{type(e).__name__}: {e}".strip(": ")
+        finally:
+            self._in_flight = False
+
+    async def handed_back(self, proxy: str, epoch: int) -> RoundResult:
+        """The round's average from the proxy we handed in to (``hand_in``), once its round ended: a result as
+        ``average``'s, the proxy's group's size its size (failed: no clean average came; we heal as after a failed
+        round)."""
+        started, before = self._handed
+        wait = self.matchmaking_window(None) * 3 + 2 * self.cfg.allreduce_timeout  # (as ``_average`` waits a step)
+        self._in_flight = True
+        try:
+            group_size = await hivemind_calls.call(self.averager.fetch_average, proxy, epoch, wait,
+                                                   timeout=wait + self.cfg.request_timeout * 20)
+        except Exception as e:
+            return self._result(False, started, before, error=f"{type(e).__name__}: {e}".strip(": "))
+        finally:
+            self._in_flight = False
+        if not group_size:
+            return self._result(False, started, before, error=f"no clean average from our proxy {proxy[-8:]}")
+        with self.averager.get_tensors() as tensors:
+            averaged = list(tensors)
+        return self._result(True, started, before, averaged=averaged, group_size=group_size,
+                            group_epochs=[epoch] * group_size)
+
     def _result(self, ok: bool, started: float, before: torch.Tensor, **kwargs) -> RoundResult:
         delta = (self.averager.traffic - before).tolist()
         return RoundResult(
@@ -286,6 +321,14 @@ class RoundAverager:
             values_not_averaged=delta[FAILED_VALUES], transfer_seconds=delta[TRANSFER_US] / 1e6,
             offenses=self.offenses(), **kwargs,
         )
+
+    def _copy_in(self, pseudo_gradient: list[torch.Tensor]) -> None:
+        """``pseudo_gradient`` into the buffers the averager process sends from, unless it was written there."""
+        if any(a is not b for a, b in zip(pseudo_gradient, self._inputs)):  # not written in place: copied
+            with self.averager.get_tensors():  # (a late all-reduce of an abandoned round must not read it half-way)
+                for target, source in zip(self._inputs, pseudo_gradient):
+                    target.copy_(source)
+        self._sent_norm = vector_norm(pseudo_gradient)
 
     def matchmaking_window(self, expected: int | None) -> float:
         """Seconds a group we lead gathers the ``expected`` peers the round gate saw (``averaging.matchmaking_time``;

@@ -11,16 +11,21 @@ in its own process:
 - of the followers of a group we are about to form: ``left_out``, those its members ban (``group_bans.py``);
 - of a peer that downloads our state: ``refuses_download`` (in a swarm closed by a secret, only a peer with a
   progress record in the swarm's DHT: only secret holders can write there).
+
+It also reads what the members of a group declare in the data they gather with it: their share of the vector's
+split (``declared``) and their tokens (``tokens``).
 """
 
 from __future__ import annotations
 
 import logging
 
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 
 from ..swarm.admission import Admission
+from . import vector_split
 from .group_bans import left_out
 from .robust_aggregation import BanList
 
@@ -44,10 +49,14 @@ class Membership:
 
     def refusal(self, peer_id: PeerID, gathered: bytes | None) -> tuple[str, str]:
         """(kind, why) if ``peer_id``, showing the data it gathers with a group, may not be in our group."""
-        peer = peer_id.to_base58()
+        return self.refusal_of(peer_id.to_base58(), self._fields(gathered))
+
+    def refusal_of(self, peer: str, fields: dict) -> tuple[str, str]:
+        """(kind, why) if ``peer`` (base58), showing ``fields`` (its proof of the swarm secret among them, where one is
+        asked), may not average with us: in our group, or handing its pseudo-gradient in to us (``hand_in.py``)."""
         if self.bans.is_banned(peer):
             return "banned", f"peer {peer} is banned for repeated offenses"
-        proof = self._fields(gathered).get("proof", b"") if self.admission.secret is not None else None
+        proof = fields.get("proof", b"") if self.admission.secret is not None else None
         why = self.admission.refuses(peer, proof)
         return ("unadmitted", why) if why else ("", "")
 
@@ -80,6 +89,33 @@ class Membership:
                         f"{', '.join(p[-8:] for p in out)}")
         by_name = {name: peer for peer, name in names.items()}
         return [by_name[name] for name in out]
+
+    def declared(self, group_info) -> list[vector_split.Member]:
+        """What each member of a group declares for the split of the vector (``vector_split.split``): its bandwidth,
+        whether it is a client, relayed, and its pace, from the data it gathered with the group."""
+        members = []
+        for gathered in group_info.gathered:
+            bandwidth, mode, user = self.serializer.loads(gathered)
+            client = AveragingMode(mode) == AveragingMode.CLIENT
+            try:
+                fields = self.serializer.loads(user)
+                pace = fields.get("step_seconds")
+                members.append(vector_split.Member(
+                    bandwidth, client, relayed=fields.get("relayed") is True,
+                    step_seconds=float(pace) if isinstance(pace, (int, float)) and pace == pace else None))
+            except Exception:  # not our gather format: refusal deals with such a member
+                members.append(vector_split.Member(bandwidth, client))
+        return members
+
+    def tokens(self, group_info) -> list[float]:
+        """The tokens each member of a group gathered with (0 where it says none we can read)."""
+        tokens = []
+        for gathered in group_info.gathered:
+            try:
+                tokens.append(float(self.serializer.loads(self.serializer.loads(gathered)[2]).get("tokens", 0)))
+            except Exception:  # not our gather format: refusal deals with such a member
+                tokens.append(0.0)
+        return tokens
 
     def _fields(self, gathered: bytes | None) -> dict:
         """The fields a member gathers with (``RoundAverager.average``'s ``gather``), inside hivemind's own gather

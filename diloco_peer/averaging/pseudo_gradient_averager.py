@@ -29,7 +29,6 @@ from typing import AsyncIterator  # not collections.abc: hivemind reads the hand
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.partition import AllreduceException
 from hivemind.dht import DHT
 from hivemind.p2p import P2PContext, PeerID
@@ -42,7 +41,7 @@ from ..swarm.admission import Admission
 from ..swarm.p2pd_internals import until_the_caller_hangs_up
 from ..training.outer_optimizer import flat_tensors
 from . import hivemind_internals as internals
-from . import assembly_grace, round_log, state_transfer, traffic, vector_split
+from . import assembly_grace, hand_in, round_log, state_transfer, traffic, vector_split
 from .allreduce import ExactAllReduceRunner
 from .member_news import MemberNews
 from .membership import Membership
@@ -51,7 +50,7 @@ from .robust_aggregation import BanList, Limits
 logger = logging.getLogger(__name__)
 
 
-class PseudoGradientAverager(DecentralizedAverager):
+class PseudoGradientAverager(hand_in.HandInService, DecentralizedAverager):
     """hivemind's averager with exact (non-delta) results, byte counters, admission and bans.
 
     It also serves and fetches the peer's state (see ``state_sync.py``): ``state_provider`` is called in
@@ -92,6 +91,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         """What our all-reduces cost (``traffic.py``), shared with the host."""
         self.news = MemberNews()
         """"The round's last peer is ready", heard and told (``member_news.py``)."""
+        self.hand_ins = hand_in.HandIns(limits)
+        """As a proxy, in the averager process: what slow peers handed in to us, and their rounds' averages."""
         self.state_provider = None
         self.limits = limits
         self.faults = faults
@@ -119,6 +120,9 @@ class PseudoGradientAverager(DecentralizedAverager):
                        + (f"; banned for {self.bans.ban_seconds:g}s" if banned_now else ""))
         self.offenses.put((peer, kind, detail, banned_now))
 
+    def _report_hand_in(self, peer: str, problem) -> None:
+        self._report(PeerID.from_base58(peer), problem.kind, problem.detail, problem.counts)
+
     def _refuses_leader(self, leader: PeerID) -> bool:
         return self.members.refuses(leader.to_base58())
 
@@ -130,7 +134,10 @@ class PseudoGradientAverager(DecentralizedAverager):
         internals.grow_target_with_followers(self, lambda request: self.members.expected(request.gather))
         internals.leave_out_before_assembly(self, lambda requests: self.members.left_out(requests, self.peer_id))
         self._step_control = kwargs.get("step")  # (see _refuse_group)
-        return await super()._step(**kwargs)
+        try:
+            return await super()._step(**kwargs)
+        finally:
+            self.hand_ins.step_ended()
 
     def expect_group(self, size: int | None, group_bits: str | None = None, nudge: list[str] = ()) -> None:
         """From the host process, before a step: a group we lead starts its all-reduce once ``size`` members (us
@@ -156,6 +163,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             self.news.tell(nudge, self._stub_for)
             if group_bits is not None:
                 await internals.set_group_bits_here(self, group_bits)
+                self.hand_ins.round_begins(int(group_bits, 2))
             internals.set_target_group_size(self, size)
             assembly_grace.round_begins(self, size)
             future.set_result(None)
@@ -289,28 +297,12 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     def _fair_fractions(self, group_info) -> tuple[int, ...]:
         # hivemind's split of the vector, but not by what members declare alone: vector_split.py
-        members = []
-        for gathered in group_info.gathered:
-            bandwidth, mode, user = self.serializer.loads(gathered)
-            client = AveragingMode(mode) == AveragingMode.CLIENT
-            try:
-                fields = self.serializer.loads(user)
-                pace = fields.get("step_seconds")
-                members.append(vector_split.Member(
-                    bandwidth, client, relayed=fields.get("relayed") is True,
-                    step_seconds=float(pace) if isinstance(pace, (int, float)) and pace == pace else None))
-            except Exception:  # not our gather format: Membership.refusal deals with such a member
-                members.append(vector_split.Member(bandwidth, client))
-        return vector_split.split(self.total_size, members, self.allreduce_kwargs["min_vector_size"])
+        return vector_split.split(self.total_size, self.members.declared(group_info),
+                                  self.allreduce_kwargs["min_vector_size"])
 
     def _member_limits(self, group_info) -> Limits:
         """Our checks of this group's averages: ``Limits.for_member``, by the tokens each member gathered."""
-        tokens = []
-        for gathered in group_info.gathered:
-            try:
-                tokens.append(float(self.serializer.loads(self.serializer.loads(gathered)[2]).get("tokens", 0)))
-            except Exception:  # not our gather format: Membership.refusal deals with such a member
-                tokens.append(0.0)
+        tokens = self.members.tokens(group_info)
         return self.limits.for_member(tokens, tokens[group_info.peer_ids.index(self.peer_id)])
 
     async def _refuse_group(self, group_info, group_id: bytes) -> None:
@@ -359,6 +351,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         kwargs["peer_fractions"] = await asyncio.get_running_loop().run_in_executor(
             None, self._fair_fractions, group_info)
         await self._refuse_group(group_info, group_id)
+        # with what slow peers handed in to us averaged in, under their weights too (hand_in.py)
+        sent, kwargs["weight"], folded = self.hand_ins.fold(self._sent(), kwargs["weight"], self._report_hand_in)
         p2p = internals.p2p_of(self)
         relayed = frozenset(info.peer_id for info in await p2p.list_peers()
                             if any("p2p-circuit" in str(addr) for addr in info.addrs))
@@ -372,7 +366,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             p2p=p2p,
             servicer_type=type(self),
             prefix=self.prefix,
-            tensors=self._sent(),
+            tensors=sent,
             outputs=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
@@ -391,6 +385,9 @@ class PseudoGradientAverager(DecentralizedAverager):
         # by now every sender has started streaming to us (our last part needed all of theirs, or it went silent)
         await runner.wait_for_replies(timeout=runner.reducer_timeout or 5.0)
         self.traffic[traffic.FAILED_VALUES] += runner.tensor_part_container.failed_size
+        if folded:  # what the peers that handed in get: the average, if every value of it is one
+            clean = runner.tensor_part_container.failed_size == 0
+            self.hand_ins.ended([t.clone() for t in tensors] if clean else None, len(group_info.peer_ids))
         self.traffic[traffic.TRANSFER_US] += int((time.perf_counter() - started) * 1e6)
         self.last_updated = get_dht_time()
         internals.mark_state_updated(self)

@@ -41,17 +41,20 @@ class RoundExchange:
     :param lag: the schedule's lag: a record at outer epoch e sends round e + ``lag``'s pseudo-gradient
     :param at_gate: the schedule's reading of the gate's records (``GateVerdict``)
     :param too_slow: names a peer the gate need not wait for: it cannot be ready in time (``Pace.too_slow``)
+    :param proxies: ``(records, epoch)`` -> the peers to hand our pseudo-gradient in to instead of joining the
+      all-reduce, fastest first (``Pace.proxies``; none: we are not too slow for it)
     :param name: this peer's name, in the event log
     """
 
     def __init__(self, cfg: AveragingConfig, lag: int, at_gate: GateVerdict, name: str, *, too_slow=None,
-                 outer: OuterOptimizer,
+                 proxies=None, outer: OuterOptimizer,
                  averager: RoundAverager, progress: SwarmProgress, sync: StateSync, healing: Healing,
                  events: EventLog, compute: ComputeThread, should_stop: Callable[[], bool]):
         self.cfg = cfg
         self.lag = lag
         self.at_gate = at_gate
         self.too_slow = too_slow
+        self.proxies = proxies
         self.name = name
         self.outer = outer
         self.averager = averager
@@ -70,7 +73,9 @@ class RoundExchange:
         self.steps = 0
         """The inner steps behind ``sent`` (0: not said)."""
         self.waited = 0.0
-        """Seconds the last ``collect`` waited for its exchange to end."""
+        """Seconds the last ``collect`` waited for its exchange to end, less the time it handed in (``_hand_in``)."""
+        self.handing_seconds = 0.0
+        """Seconds the exchange launched last spent handing our pseudo-gradient in (``_hand_in``): our work."""
         self.records: list[ProgressRecord] = []
         """The swarm's records as the last gate saw them (the pace of rounds bounded by time is read from them)."""
 
@@ -79,6 +84,7 @@ class RoundExchange:
         """Start exchanging ``pseudo_gradient`` (``tokens`` and ``steps`` inner steps behind it, already multiplied
         by ``scale``: ``outer.contribution``) for our outer epoch; the task."""
         self.sent = pseudo_gradient
+        self.handing_seconds = 0.0
         self.scale = scale
         self.steps = steps
         self.pending = asyncio.create_task(self._exchange(pseudo_gradient, tokens, self.outer.epoch, inner_step))
@@ -92,7 +98,7 @@ class RoundExchange:
         except Exception as e:  # e.g. the DHT failed to store our record: never fatal
             exchange = Exchange(ReadyDecision(1, 1, 0.0, "error"), RoundResult(False, error=f"{type(e).__name__}: {e}"))
         self.pending = None
-        self.waited = time.perf_counter() - started
+        self.waited = max(0.0, time.perf_counter() - started - self.handing_seconds)
         return exchange
 
     def cancel(self) -> None:
@@ -111,8 +117,10 @@ class RoundExchange:
     async def _exchange(self, pseudo_gradient: list[torch.Tensor], tokens: int, epoch: int,
                         inner_step: int) -> Exchange:
         cfg = self.cfg
+        proxy = await self._hand_in(pseudo_gradient, tokens, epoch)
         await self.progress.publish(epoch=epoch, round=epoch + self.lag, inner_step=inner_step, ready=True,
-                                    state_hash=self.sync.state_hash, tokens=self.progress.record.tokens + tokens)
+                                    state_hash=self.sync.state_hash, tokens=self.progress.record.tokens + tokens,
+                                    hands_to=proxy)
         decision = await self.progress.wait_until_ready(
             min_peers=cfg.min_peers if epoch == 0 else 1, min_peers_timeout=cfg.first_round_timeout,
             ready_timeout=cfg.ready_timeout, should_stop=self.should_stop, lag=self.lag, too_slow=self.too_slow)
@@ -125,17 +133,41 @@ class RoundExchange:
             return Exchange(decision, RoundResult(ok=False), dropped=True)
         if self.healing.downloads != downloads and self.averager.in_place:  # a failed download took the buffer
             pseudo_gradient = self.sent = await self.own_pseudo_gradient()
-        if decision.ready < 2:
+        if proxy:  # its all-reduce has our pseudo-gradient in it: we get the average from it
+            result = await self.averager.handed_back(proxy, epoch)
+            # our work: sending what we handed in and receiving the average (not the wait for the proxy's round)
+            self.handing_seconds = max(self.handing_seconds, result.transfer_seconds)
+            return Exchange(decision, result, off_swarm=off_swarm)
+        members = decision.ready - decision.handing_in  # (the peers that handed in do not come to matchmaking)
+        if members < 2:
             return Exchange(decision, RoundResult(ok=False, error=decision.reason), off_swarm=off_swarm)
         self.events.write("averaging", peer=self.name, epoch=epoch, ready_peers=decision.ready)
         # once complete, the group starts at once; a gate that left stragglers behind expects the ready peers only
         # (else matchmaking waited its whole window for a peer that was alive and not coming)
-        expected = (decision.expected if decision.reason == ALL_READY else decision.ready) \
+        expected = (decision.expected if decision.reason == ALL_READY else members) \
             if cfg.start_when_complete else None
         result = await self.averager.average(pseudo_gradient, weight=tokens, epoch=epoch, expected=expected,
                                              nudge=self._waiting(decision, epoch),
                                              step_seconds=self.progress.record.step_seconds)
         return Exchange(decision, result, off_swarm=off_swarm)
+
+    async def _hand_in(self, pseudo_gradient: list[torch.Tensor], tokens: int, epoch: int) -> str:
+        """Hand our pseudo-gradient in to a proxy if we are too slow for the all-reduce (``averaging/hand_in.py``;
+        blocking rounds only): the proxy that took it, or "" (we join the all-reduce: not too slow, or no proxy took
+        it). Its time counts as our round's work, not as waiting (``handing_seconds``): the pace budgets our
+        training so that we are ready, handed in, when the others are."""
+        started = time.perf_counter()
+        candidates = self.proxies(self.records, epoch) if self.proxies is not None and not self.lag else []
+        for proxy in candidates[:2]:
+            why = await self.averager.hand_in(pseudo_gradient, tokens, epoch, proxy)
+            if not why:
+                self.events.write("handed_in", peer=self.name, epoch=epoch, proxy=proxy,
+                                  seconds=round(time.perf_counter() - started, 3))
+                self.handing_seconds = time.perf_counter() - started
+                return proxy
+            logger.info(f"{self.name}: {proxy[-8:]} did not take our hand-in for round {epoch}: {why}")
+        self.handing_seconds = time.perf_counter() - started
+        return ""
 
     def _waiting(self, decision: ReadyDecision, epoch: int) -> list[str]:
         """Peers to tell that the round's last one is ready: all ready at our gate's first read (we came last)."""

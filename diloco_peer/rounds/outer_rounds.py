@@ -94,7 +94,7 @@ class OuterRounds:
         self.healing = Healing(averaging, self.schedule.lag, self.inner_steps, name, trainer=trainer, outer=outer,
                                averager=averager, progress=progress, sync=sync, events=events, should_stop=should_stop)
         self.exchange = RoundExchange(averaging, self.schedule.lag, self._at_gate, name, too_slow=self._too_slow,
-                                      outer=outer, averager=averager, progress=progress, sync=sync,
+                                      proxies=self._proxies, outer=outer, averager=averager, progress=progress, sync=sync,
                                       healing=self.healing, events=events, compute=compute, should_stop=should_stop)
 
     async def run(self, on_round: Callable[[RoundRecord], None]) -> None:
@@ -243,6 +243,10 @@ class OuterRounds:
 
     def _too_slow(self, record: ProgressRecord, records: list[ProgressRecord]) -> bool:
         return self.pace.too_slow(record, records, own=self.progress.record.peer_id)
+
+    def _proxies(self, records: list[ProgressRecord], epoch: int) -> list[str]:
+        return self.pace.proxies(self.progress.trusted(records), self.progress.record.peer_id, epoch,
+                                 self.averaging.hand_in_slower_than)
 
     async def _at_gate(self, records: list) -> tuple[bool, str]:
         return await self.schedule.at_gate(self, records)

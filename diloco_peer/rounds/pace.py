@@ -112,6 +112,19 @@ class Pace:
             return False
         return record.step_seconds + (record.work_seconds or 0.0) > period * (1 + LATE_SLACK)
 
+    def proxies(self, records: list[ProgressRecord], own: str, epoch: int, slower_than: float) -> list[str]:
+        """The peers (base58, fastest first) to hand our pseudo-gradient of ``epoch`` in to instead of joining its
+        all-reduce (``averaging/hand_in.py``): those at our epoch that average as members, if our inner steps take
+        over ``slower_than`` times the median of theirs (``averaging.hand_in_slower_than``; 0: never) and two of them
+        at least are there to average it; else none. ``records``: the ones we trust."""
+        if not self.timed or not slower_than or self.step_seconds is None:
+            return []
+        others = [r for r in records if r.peer_id != own and r.epoch == epoch and r.joined and not r.hands_to
+                  and r.step_seconds is not None]
+        if len(others) < 2 or self.step_seconds <= slower_than * statistics.median_low(r.step_seconds for r in others):
+            return []
+        return [r.peer_id for r in sorted(others, key=lambda r: (r.step_seconds, r.peer_id))]
+
     def planned_steps(self, budget: float | None) -> int:
         """The inner steps a round of ``budget`` seconds should hold here: H at most, one at least (H where we have
         not measured our steps yet: the time cuts the round)."""

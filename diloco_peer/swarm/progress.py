@@ -99,7 +99,11 @@ class ReadyDecision:
     """Peers that may come to this round's matchmaking (us included): every live record but a banned peer's, also
     those whose claims we do not trust (a liar may still average; a group started without it, filled up by the
     trusted count, turned an honest peer away: ``averaging.start_when_complete``), less the peers too slow to be
-    in time, which the gate does not wait for and which do not come either. 0: not counted."""
+    in time, which the gate does not wait for and which do not come either, and those that handed in to a proxy
+    (``ProgressRecord.hands_to``). 0: not counted."""
+    handing_in: int = 0
+    """Of the ``ready`` peers, those that handed their pseudo-gradient in to a proxy: they do not come to
+    matchmaking."""
 
 
 def _round_peers(records: list[ProgressRecord], epoch: int, lag: int,
@@ -317,7 +321,9 @@ class SwarmProgress:
             reads += 1
             epoch = self.record.epoch
             ready, same_epoch, too_late = _round_peers(records, epoch, lag, too_slow)
-            expected = self.present - too_late  # (a peer we do not wait for does not come to matchmaking either)
+            handing = sum(r.ready and r.epoch == epoch and bool(r.hands_to) for r in same_epoch)
+            # (a peer we do not wait for does not come to matchmaking either, nor one that handed in)
+            expected = self.present - too_late - handing
             now = time.monotonic()
             waited = now - started
             # ahead of the swarm (a round of ours failed, the others' did not): they reach our epoch round by
@@ -327,11 +333,11 @@ class SwarmProgress:
             if self.present >= min_peers:  # every live peer counts, trusted or not (below)
                 quorum_since = quorum_since if quorum_since is not None else now
                 if ready == len(same_epoch) and not ahead:
-                    return ReadyDecision(ready, len(records), waited, ALL_READY, records, reads, expected)
+                    return ReadyDecision(ready, len(records), waited, ALL_READY, records, reads, expected, handing)
                 if now - quorum_since >= ready_timeout:
                     why = (f"ahead of the swarm (epoch {swarm}) after waiting {ready_timeout:g}s for it" if ahead
                            else f"stragglers left behind after {ready_timeout:g}s")
-                    return ReadyDecision(ready, len(records), waited, why, records, reads, expected)
+                    return ReadyDecision(ready, len(records), waited, why, records, reads, expected, handing)
             elif waited >= min_peers_timeout:
                 return ReadyDecision(ready, len(records), waited,
                                      f"only {self.present} of min_peers={min_peers} after {waited:.0f}s", records,

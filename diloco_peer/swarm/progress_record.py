@@ -50,6 +50,10 @@ class ProgressRecord(BaseModel):  # pydantic v1: hivemind's SchemaValidator spea
     work_seconds: confloat(ge=0, le=MAX_SECONDS, strict=True) | None = None
     """Seconds of each round this peer spends neither training nor waiting for others (its outer step, eval,
     records), lately."""
+    hands_to: constr(max_length=64, strict=True) = ""
+    """The peer (base58) this one handed its pseudo-gradient of ``epoch`` in to, once ready, instead of joining the
+    all-reduce (a peer too slow for it: ``averaging/hand_in.py``); "" if it averages as a member. No gate counts it in
+    the group it expects."""
     stats: PeerStats | None = None
     """Loss, throughput and round counts for the swarm monitor, refreshed with every publication."""
 

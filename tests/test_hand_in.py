@@ -1,0 +1,176 @@
+"""Handing in (``averaging/hand_in.py``): a peer too slow for the all-reduce gives its pseudo-gradient to a fast peer,
+which averages it in with its own, and takes the round's average back. The arithmetic and the checks in-process; the
+round on real averagers (DHT + averager processes on loopback, no mocks)."""
+
+import asyncio
+
+import pytest
+import torch
+
+from diloco_peer.averaging.averager import RoundAverager
+from diloco_peer.averaging.hand_in import MAX_PER_ROUND, HandedIn, HandIns
+from diloco_peer.averaging.robust_aggregation import Limits
+from diloco_peer.config import AveragingConfig
+from diloco_peer.config.faults import Faults
+from diloco_peer.rounds.pace import Pace
+from diloco_peer.swarm.progress_record import ProgressRecord
+
+SHAPES = [torch.Size([257, 31]), torch.Size([1000]), torch.Size([3, 5, 7])]
+CFG = AveragingConfig(matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=20.0, aggregation="mean")
+
+
+def _pseudo_gradient(seed: int, scale: float = 1.0) -> list[torch.Tensor]:
+    # what DiLoCo peers send: a shared direction (same start, similar data) plus their own noise
+    shared, own = torch.Generator().manual_seed(0), torch.Generator().manual_seed(seed)
+    return [scale * (torch.randn(s, generator=shared) + 0.5 * torch.randn(s, generator=own)) for s in SHAPES]
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.flatten() for t in tensors])
+
+
+def test_a_fold_is_the_token_weighted_mean_of_ours_and_the_hand_ins_that_pass_the_checks():
+    hand_ins = HandIns(Limits(max_update_ratio=10.0, ban_cosine=-0.5))
+    own, slow, flipped = _pseudo_gradient(1), _pseudo_gradient(2), [-t for t in _pseudo_gradient(3)]
+    hand_ins.round_begins(5)
+    assert hand_ins.refusal("slow", 5, 100.0) == ""
+    hand_ins.take(HandedIn("slow", slow, 100.0), 5)
+    hand_ins.take(HandedIn("flipper", flipped, 100.0), 5)
+    assert "full" in hand_ins.refusal("third", 5, 100.0) and MAX_PER_ROUND == 2
+    assert "already" in hand_ins.refusal("slow", 5, 100.0)
+    assert "weight" in hand_ins.refusal("fourth", 6, float("nan"))
+    refused = []
+    sent, weight, folded = hand_ins.fold(own, 1000.0, lambda peer, problem: refused.append((peer, problem.kind)))
+    assert (weight, folded) == (1100.0, 1) and refused == [("flipper", "direction")]
+    expected = (_flat(own).double() * 1000 + _flat(slow).double() * 100) / 1100
+    assert torch.allclose(_flat(sent).double(), expected, atol=1e-6)
+    assert _flat(sent).dtype == torch.float32
+    # a retry of the all-reduce sends the same; a hand-in now comes too late for this round
+    again, _, _ = hand_ins.fold(own, 1000.0, lambda *_: None)
+    assert torch.equal(_flat(again), _flat(sent))
+    assert "late" in hand_ins.refusal("other", 5, 100.0)
+    assert hand_ins.refusal("other", 6, 100.0) == ""  # the next round's is taken
+
+
+@pytest.mark.parametrize("bad, kind", [("nan", "non_finite"), ("huge", "norm"), ("weight", "weight"),
+                                       ("shape", "shape")])
+def test_a_bad_hand_in_is_refused_as_an_offense_and_ours_is_sent_alone(bad, kind):
+    hand_ins = HandIns(Limits(max_update_ratio=10.0, max_weight_ratio=10.0, ban_cosine=-0.5))
+    own = _pseudo_gradient(1)
+    tensors = _pseudo_gradient(2, scale=100.0 if bad == "huge" else 1.0)
+    if bad == "nan":
+        tensors[1][7] = float("nan")
+    if bad == "shape":
+        tensors = tensors[:2]
+    hand_ins.round_begins(0)
+    hand_ins.take(HandedIn("bad", tensors, 1e6 if bad == "weight" else 100.0), 0)
+    refused = []
+    sent, weight, folded = hand_ins.fold(own, 1000.0, lambda peer, problem: refused.append((peer, problem.kind)))
+    assert refused == [("bad", kind)] and (weight, folded) == (1000.0, 0) and sent is own
+
+
+def test_a_peer_hands_in_only_when_much_slower_than_the_others_and_two_of_them_average_it():
+    pace = Pace(inner_steps=20, timed=True)
+    pace.step_seconds = 0.6
+
+    def record(peer, step_seconds, epoch=3, hands_to=""):
+        return ProgressRecord(peer_id=peer, epoch=epoch, inner_step=0, tokens=0, ready=False, time=0.0,
+                              step_seconds=step_seconds, hands_to=hands_to)
+
+    fast = [record("b", 0.1), record("a", 0.1), record("c", 0.12)]
+    assert pace.proxies(fast + [record("me", 0.6)], "me", 3, 4.0) == ["a", "b", "c"]  # fastest first, then by id
+    assert pace.proxies(fast, "me", 3, 0.0) == []  # averaging.hand_in_slower_than=0: never
+    assert pace.proxies(fast, "me", 3, 8.0) == []  # 6x slower only
+    assert pace.proxies(fast[:1], "me", 3, 4.0) == []  # one fast peer alone would average it with nobody
+    assert pace.proxies([record("a", 0.1), record("b", 0.1, epoch=2)], "me", 3, 4.0) == []  # another round's
+    assert pace.proxies([record("a", 0.1), record("b", 0.1, hands_to="x")], "me", 3, 4.0) == []  # slow too
+    assert Pace(inner_steps=20, timed=False).proxies(fast, "me", 3, 4.0) == []  # fixed H: everyone averages
+
+
+@pytest.mark.slow
+@pytest.mark.light  # three averagers in this process
+@pytest.mark.parametrize("aggregation", ["mean", "robust"])
+def test_a_hand_in_is_in_the_groups_average_and_its_peer_gets_the_same_bytes(dhts, aggregation):
+    """Two members average, the third hands in to the first: everyone ends with the same bytes, the token-weighted
+    mean of all three (robust aggregation clips the proxy's weight to the group's median)."""
+    cfg = CFG.model_copy(update={"aggregation": aggregation})
+    nodes = dhts(3)
+    averagers = [RoundAverager(dht, SHAPES, "hand-in", cfg) for dht in nodes]
+    proxy, member, slow = averagers
+    inputs = [_pseudo_gradient(seed) for seed in (1, 2, 3)]
+
+    async def one_round():
+        why = await slow.hand_in(inputs[2], 100, epoch=0, proxy=proxy.peer_id)
+        assert why == "", why
+        late = await slow.hand_in(inputs[2], 100, epoch=0, proxy=proxy.peer_id)
+        assert "already" in late, late
+        rounds = [a.average(x, weight=1000, epoch=0, expected=2) for a, x in zip((proxy, member), inputs)]
+        return await asyncio.wait_for(asyncio.gather(*rounds, slow.handed_back(proxy.peer_id, 0)), 60)
+
+    try:
+        results = asyncio.run(one_round())
+        after = asyncio.run(slow.hand_in(inputs[2], 100, epoch=0, proxy=proxy.peer_id))
+    finally:
+        for a in averagers:
+            a.shutdown()
+    summary = [(r.ok, r.group_size, r.error, r.bytes_sent, r.bytes_received) for r in results]
+    assert all(r.ok and r.group_size == 2 for r in results), summary
+    got = [_flat(r.averaged) for r in results]
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2]), summary  # the same bytes, all three
+    if aggregation == "mean":
+        mean = (_flat(inputs[0]).double() * 1000 + _flat(inputs[1]).double() * 1000
+                + _flat(inputs[2]).double() * 100) / 2100
+        assert torch.allclose(got[0].double(), mean, atol=1e-5), summary
+    size = sum(s.numel() for s in SHAPES) * 4
+    assert results[2].bytes_sent >= size and results[2].bytes_received >= size, summary
+    assert "late" in after, after  # its all-reduce of round 0 has begun
+
+
+@pytest.mark.slow
+@pytest.mark.light
+def test_a_hand_in_whose_proxy_averages_with_nobody_fails_and_says_so(dhts):
+    """The proxy's round found no group: the peer that handed in hears "no clean average" (and heals, as after a
+    failed round) once the proxy's step ended, not after a timeout of its own."""
+    cfg = CFG.model_copy(update={"matchmaking_time": 1.0})
+    nodes = dhts(2)
+    proxy, slow = (RoundAverager(dht, SHAPES, "hand-in-alone", cfg) for dht in nodes)
+    inputs = [_pseudo_gradient(seed) for seed in (1, 2)]
+
+    async def one_round():
+        assert await slow.hand_in(inputs[1], 100, epoch=0, proxy=proxy.peer_id) == ""
+        return await asyncio.gather(proxy.average(inputs[0], weight=1000, epoch=0, expected=2),
+                                    slow.handed_back(proxy.peer_id, 0))
+
+    try:
+        own, handed = asyncio.run(one_round())
+    finally:
+        proxy.shutdown()
+        slow.shutdown()
+    assert not own.ok and not handed.ok and "no clean average" in handed.error, (own, handed)
+    assert handed.seconds < own.seconds + 5, (own.seconds, handed.seconds)
+
+
+@pytest.mark.slow
+@pytest.mark.light
+def test_a_sign_flipping_hand_in_is_left_out_counted_and_its_proxy_averages_its_own(dhts):
+    cfg = CFG.model_copy(update={"aggregation": "robust"})
+    nodes = dhts(3)
+    proxy, member = (RoundAverager(dht, SHAPES, "hand-in-bad", cfg) for dht in nodes[:2])
+    slow = RoundAverager(nodes[2], SHAPES, "hand-in-bad", cfg, faults=Faults.parse("poison:signflip"))
+    inputs = [_pseudo_gradient(seed) for seed in (1, 2, 3)]
+
+    async def one_round():
+        assert await slow.hand_in(inputs[2], 100, epoch=0, proxy=proxy.peer_id) == ""
+        rounds = [a.average(x, weight=1000, epoch=0, expected=2) for a, x in zip((proxy, member), inputs)]
+        return await asyncio.wait_for(asyncio.gather(*rounds), 60)
+
+    try:
+        results = asyncio.run(one_round())
+    finally:
+        for a in (proxy, member, slow):
+            a.shutdown()
+    assert all(r.ok for r in results), results
+    assert [(o["offender"], o["kind"]) for o in results[0].offenses] == [(slow.peer_id, "direction")]
+    honest = [(a + b) / 2 for a, b in zip(inputs[0], inputs[1])]
+    cosine = torch.nn.functional.cosine_similarity(_flat(results[0].averaged), _flat(honest), dim=0)
+    assert cosine > 0.99, float(cosine)
