@@ -52,6 +52,18 @@ def test_a_fold_is_the_token_weighted_mean_of_ours_and_the_hand_ins_that_pass_th
     assert hand_ins.refusal("other", 6, 100.0) == ""  # the next round's is taken
 
 
+def test_a_hand_in_for_a_round_its_proxy_skipped_is_answered_at_once_with_nothing():
+    hand_ins = HandIns(Limits())
+    hand_ins.round_begins(3)
+    hand_ins.take(HandedIn("slow", _pseudo_gradient(2), 100.0), 4)
+    hand_ins.round_begins(6)  # the proxy synced past round 4: it never averages it
+
+    async def ask():
+        return await asyncio.wait_for(hand_ins.result(4, "slow", timeout=60), 1)
+
+    assert asyncio.run(ask()) == (None, 0)
+
+
 @pytest.mark.parametrize("bad, kind", [("nan", "non_finite"), ("huge", "norm"), ("weight", "weight"),
                                        ("shape", "shape")])
 def test_a_bad_hand_in_is_refused_as_an_offense_and_ours_is_sent_alone(bad, kind):
@@ -82,7 +94,8 @@ def test_a_peer_hands_in_only_when_much_slower_than_the_others_and_two_of_them_a
     assert pace.proxies(fast, "me", 3, 0.0) == []  # averaging.hand_in_slower_than=0: never
     assert pace.proxies(fast, "me", 3, 8.0) == []  # 6x slower only
     assert pace.proxies(fast[:1], "me", 3, 4.0) == []  # one fast peer alone would average it with nobody
-    assert pace.proxies([record("a", 0.1), record("b", 0.1, epoch=2)], "me", 3, 4.0) == []  # another round's
+    assert pace.proxies([record("a", 0.1), record("b", 0.1, epoch=2)], "me", 3, 4.0) == ["a", "b"]  # (last gate's)
+    assert pace.proxies([record("a", 0.1), record("b", 0.1, epoch=1)], "me", 3, 4.0) == []  # rounds behind
     assert pace.proxies([record("a", 0.1), record("b", 0.1, hands_to="x")], "me", 3, 4.0) == []  # slow too
     assert Pace(inner_steps=20, timed=False).proxies(fast, "me", 3, 4.0) == []  # fixed H: everyone averages
 

@@ -169,11 +169,13 @@ def test_a_newcomer_syncs_to_the_swarm_then_averages(tmp_path, mode):
     assert same(a.outer.params, c.outer.params) and same(b.outer.params, c.outer.params)
 
 
-def _exchange(ok=True, ready=2, averaged=(1.0,), lost=0, off_swarm="", error="", group=None) -> Exchange:
+def _exchange(ok=True, ready=2, averaged=(1.0,), lost=0, off_swarm="", error="", group=None,
+              handing_in=0) -> Exchange:
     tensors = [torch.tensor(list(averaged))] if ok else None
     result = RoundResult(ok=ok, averaged=tensors, sent_norm=1.0, values_not_averaged=lost, error=error,
                          group_size=ready if group is None else group)
-    return Exchange(ReadyDecision(ready, ready, 0.0, ALL_READY), result, off_swarm=off_swarm)
+    decision = ReadyDecision(ready, ready, 0.0, ALL_READY, handing_in=handing_in)
+    return Exchange(decision, result, off_swarm=off_swarm)
 
 
 @pytest.mark.parametrize("exchange, outcome, with_average, seeks, rechecks, clean", [
@@ -185,7 +187,11 @@ def _exchange(ok=True, ready=2, averaged=(1.0,), lost=0, off_swarm="", error="",
     (_exchange(ok=False, ready=1, error="alone"), "solo", False, True, False, False),
     (_exchange(off_swarm="our weights differ"), "averaged", True, True, False, False),
     (_exchange(ready=4, group=2), "averaged", True, False, True, True),
-], ids=["averaged", "partial", "non-finite", "too-long", "failed", "solo", "off-swarm", "split"])
+    # a peer that handed in to a member is not a member: no split (averaging/hand_in.py)
+    (_exchange(ready=4, group=3, handing_in=1), "averaged", True, False, False, True),
+    (_exchange(ready=4, group=2, handing_in=1), "averaged", True, False, True, True),
+], ids=["averaged", "partial", "non-finite", "too-long", "failed", "solo", "off-swarm", "split", "handed-in",
+        "split-handed-in"])
 def test_the_verdict(exchange, outcome, with_average, seeks, rechecks, clean):
     verdict = decide(exchange, epoch=3, max_update_ratio=10.0)
     assert (verdict.outcome, verdict.steps_with_average, verdict.seeks_swarm_state, verdict.rechecks,

@@ -1,5 +1,7 @@
 """Unequal volunteers in a real swarm: a peer held to 0.3 of a core trains fewer inner steps a round, reaches the
-gate with the others, and every round of it is averaged (rounds bounded by time, ``rounds/pace.py``).
+gate with the others, and every round of it is averaged (rounds bounded by time, ``rounds/pace.py``): handed in to a
+fast peer, which averages it in with its own (``averaging/hand_in.py``; the swarm's ``averaging.hand_in_slower_than``
+set low enough here that a peer at 0.3 of a core hands in, where the default takes a slower one).
 
 Not less than 0.3: at a fifth of a core its round's other work (eval, outer step, records) left it time for one step
 a round, and one step and that work came to the swarm's whole round, give or take the machine's noise. Such a peer
@@ -46,8 +48,10 @@ def test_a_throttled_peer_trains_fewer_steps_is_averaged_every_round_and_nobody_
     # be gone; and for the slow peer's first 20 steps (nothing measured yet: H steps each), which took over 90 s on a
     # loaded machine (CI), past the default ready_timeout: then the fast pair averaged round 1 without it. Later rounds
     # are bounded by time: everyone arrives together, and this bound is never reached
+    # (a third of a core or less against the fast pair's near one each: 1.2x slower at least, however loaded the host)
     sets = [f"run.max_rounds={ROUNDS}", "outer.inner_steps=20", "outer.round_length=time", "averaging.min_peers=3",
-            "averaging.ready_timeout=240", "checkpoint.dir=''", "data.eval_batches=1"]
+            "averaging.ready_timeout=240", "checkpoint.dir=''", "data.eval_batches=1",
+            "averaging.hand_in_slower_than=1.2"]
     with cpu_quota("test-unequal-slow", 0.3) as group:
         peers = {"fast1": local_swarm.start_peer("fast1", *sets),
                  "fast2": local_swarm.start_peer("fast2", *sets),
@@ -73,3 +77,11 @@ def test_a_throttled_peer_trains_fewer_steps_is_averaged_every_round_and_nobody_
     waited = sum(fast[r]["wait_seconds"] for r in later)
     assert waited < fast[1]["wait_seconds"], (fast[1]["wait_seconds"], [fast[r]["wait_seconds"] for r in later])
     assert all(slow[r]["tokens"] > 0 for r in later)  # its work is in every average
+    # from round 2 on (round 1: nothing measured) the slow peer hands in to a fast one, whose group is the fast pair;
+    # the first rounds after may still see it join as a member while the paces settle
+    handed = {e["epoch"] + 1: e["proxy"] for e in local_swarm.events("slow", "handed_in")}
+    assert len(handed) >= ROUNDS - 2 and set(handed) <= set(later), (handed, summary(rounds))
+    ids = {name: local_swarm.events(name, "start")[0]["peer_id"] for name in ("fast1", "fast2")}
+    assert set(handed.values()) <= set(ids.values()), (handed, ids)
+    for r in handed:
+        assert slow[r]["group_size"] == fast[r]["group_size"] == rounds["fast2"][r]["group_size"] == 2, summary(rounds)

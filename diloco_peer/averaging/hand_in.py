@@ -88,8 +88,8 @@ class HandIns:
         """Our averager is told the round of ``epoch`` comes next: hand-ins for earlier rounds are dropped."""
         if epoch != self.epoch:
             self.epoch, self.began = epoch, False
-        for old in [e for e in self.waiting if e < epoch]:
-            del self.waiting[old]
+        for old in [e for e in self.waiting if e < epoch]:  # rounds we skipped (a state sync): no average for them
+            self._settle(old, None, 0)
 
     def refusal(self, peer: str, epoch: int, weight: float) -> str:
         """Why a hand-in of ``peer`` for the round of ``epoch`` is not taken ("" if it is)."""
@@ -133,21 +133,12 @@ class HandIns:
 
     def ended(self, averaged: list[torch.Tensor] | None, group_size: int) -> None:
         """Our all-reduce of this round ended: ``averaged`` (None: not clean) is what the peers that handed in get."""
-        handed = self.waiting.pop(self.epoch, None)
-        if handed is None:
-            return
-        self.results[self.epoch] = (averaged, group_size, {h.peer for h in handed})
-        for old in sorted(self.results)[:-KEEP_RESULTS]:
-            del self.results[old]
-        self._event(self.epoch).set()
+        self._settle(self.epoch, averaged, group_size)
 
     def step_ended(self) -> None:
         """Our step of this round is over, whether or not an all-reduce ran: nobody waits for an average any
         longer than this."""
-        handed = self.waiting.pop(self.epoch, None)
-        if handed is not None:
-            self.results[self.epoch] = (None, 0, {h.peer for h in handed})
-        self._event(self.epoch).set()
+        self._settle(self.epoch, None, 0)
 
     async def result(self, epoch: int, peer: str, timeout: float) -> tuple[list[torch.Tensor] | None, int]:
         """The average of the round of ``epoch`` for ``peer``, which handed it in: (the average, the group's size)
@@ -160,6 +151,15 @@ class HandIns:
                 return None, 0
         averaged, group_size, peers = self.results.get(epoch, (None, 0, set()))
         return (averaged, group_size) if peer in peers else (None, 0)
+
+    def _settle(self, epoch: int, averaged: list[torch.Tensor] | None, group_size: int) -> None:
+        """The round of ``epoch`` is over for the peers that handed in to it: they get ``averaged`` (None: nothing)."""
+        handed = self.waiting.pop(epoch, None)
+        if handed is not None:
+            self.results[epoch] = (averaged, group_size, {h.peer for h in handed})
+            for old in sorted(self.results)[:-KEEP_RESULTS]:
+                del self.results[old]
+        self._event(epoch).set()
 
     def _event(self, epoch: int) -> asyncio.Event:
         for old in [e for e in self._ended if e < epoch - KEEP_RESULTS]:

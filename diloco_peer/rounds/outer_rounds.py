@@ -94,8 +94,9 @@ class OuterRounds:
         self.healing = Healing(averaging, self.schedule.lag, self.inner_steps, name, trainer=trainer, outer=outer,
                                averager=averager, progress=progress, sync=sync, events=events, should_stop=should_stop)
         self.exchange = RoundExchange(averaging, self.schedule.lag, self._at_gate, name, too_slow=self._too_slow,
-                                      proxies=self._proxies, outer=outer, averager=averager, progress=progress, sync=sync,
-                                      healing=self.healing, events=events, compute=compute, should_stop=should_stop)
+                                      proxies=self._proxies, outer=outer, averager=averager, progress=progress,
+                                      sync=sync, healing=self.healing, events=events, compute=compute,
+                                      should_stop=should_stop)
 
     async def run(self, on_round: Callable[[RoundRecord], None]) -> None:
         """Rounds until stopped or ``run.max_rounds``; ``on_round(record)`` after each (one interrupted: dropped)."""

@@ -116,11 +116,12 @@ class Pace:
         """The peers (base58, fastest first) to hand our pseudo-gradient of ``epoch`` in to instead of joining its
         all-reduce (``averaging/hand_in.py``): those at our epoch that average as members, if our inner steps take
         over ``slower_than`` times the median of theirs (``averaging.hand_in_slower_than``; 0: never) and two of them
-        at least are there to average it; else none. ``records``: the ones we trust."""
+        at least are there to average it; else none. ``records``: the ones we trust, as our last gate read them,
+        when the peers were a round behind (``epoch - 1``): they go on to ours as we do."""
         if not self.timed or not slower_than or self.step_seconds is None:
             return []
-        others = [r for r in records if r.peer_id != own and r.epoch == epoch and r.joined and not r.hands_to
-                  and r.step_seconds is not None]
+        others = [r for r in records if r.peer_id != own and epoch - 1 <= r.epoch <= epoch and r.joined
+                  and not r.hands_to and r.step_seconds is not None]
         if len(others) < 2 or self.step_seconds <= slower_than * statistics.median_low(r.step_seconds for r in others):
             return []
         return [r.peer_id for r in sorted(others, key=lambda r: (r.step_seconds, r.peer_id))]
