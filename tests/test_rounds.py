@@ -255,6 +255,11 @@ def test_the_pace_of_a_round_bounded_by_time():
     liar = _record("liar", step_seconds=1e-9, work_seconds=0.0)  # bounded: the median round over MAX_SPREAD
     assert pace.period([me, fast, liar], own="me") == pytest.approx(1.5 / MAX_SPREAD)
     assert Pace(inner_steps=10, timed=False).budget([me, fast], own="me") is None
+    # a round overruns its budget by half a step at most, and by a twentieth of it at most (OVERRUN): a slow peer's
+    # long steps make it early, not late
+    # (0.5 s a step: 2 take 1 s, 10 take 5 s; half a step would have let 0.76 s hold 2, 4.76 s hold 10)
+    assert pace.planned_steps(0.94) == 1 and pace.planned_steps(0.96) == 2
+    assert pace.planned_steps(4.75) == 9 and pace.planned_steps(4.77) == 10
     pace.trained(steps=10, seconds=3.0)  # the averages move halfway
     pace.ended(round_seconds=4.0, train_seconds=3.0, waited_seconds=0.0)
     assert pace.step_seconds == pytest.approx(0.4) and pace.work_seconds == pytest.approx(1.0)

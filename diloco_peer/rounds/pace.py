@@ -35,6 +35,9 @@ MAX_SPREAD = 20.0
 """A period counts as at least the peers' median over this (a liar's claim of a tiny step time is bounded)."""
 LATE_SLACK = 0.5
 """How late, in periods, a peer may come to the round and still be waited for (``Pace.too_slow``)."""
+OVERRUN = 0.05
+"""The most of its budget a round may overrun to fit one more inner step (half a step at most): a slow peer's half step
+was a large part of the fast peers' round, which they spent at the gate waiting for it (``overrun``)."""
 
 
 class Pace:
@@ -131,12 +134,12 @@ class Pace:
         not measured our steps yet: the time cuts the round)."""
         if budget is None or self.step_seconds is None:
             return self.inner_steps
-        return max(1, min(self.inner_steps, int(budget / self.step_seconds + 0.5)))
+        return max(1, min(self.inner_steps, int((budget + overrun(budget, self.step_seconds)) / self.step_seconds)))
 
 
 class RoundClock:
-    """When a round bounded by time is over: once its next inner step would end more than half a step past the
-    budget, one step at least (``budget`` None: never, the round is H steps). It counts the time in inner steps, not
+    """When a round bounded by time is over: once its next inner step would end past the budget by more than
+    ``overrun`` allows, one step at least (``budget`` None: never, the round is H steps). It counts the time in inner steps, not
     the hops between chunks of them (those are the round's other work, which the budget has left out already).
     ``trainer``'s LR position says when the first step is done."""
 
@@ -163,7 +166,14 @@ class RoundClock:
             return False
         running = time.monotonic() - self.chunk_started if self.chunk_started is not None else 0.0
         step = self.step_seconds or (self.trained / self.steps if self.steps else running)
-        return self.trained + running + 0.5 * step > self.budget
+        return self.trained + running + step - overrun(self.budget, step) > self.budget
+
+
+def overrun(budget: float, step_seconds: float) -> float:
+    """Seconds a round of ``budget`` may run over to fit one more step of ``step_seconds``: half a step (a round of
+    steps is as long as the budget, on average), but no more than ``OVERRUN`` of the budget (a slow peer comes to the
+    gate early by most of a step rather than late by half of one: its lost time is its own)."""
+    return min(0.5 * step_seconds, OVERRUN * budget)
 
 
 def _smooth(average: float | None, value: float) -> float:
