@@ -39,6 +39,7 @@ def test_a_fold_is_the_token_weighted_mean_of_ours_and_the_hand_ins_that_pass_th
     assert "full" in hand_ins.refusal("third", 5, 100.0) and MAX_PER_ROUND == 2
     assert "already" in hand_ins.refusal("slow", 5, 100.0)
     assert "weight" in hand_ins.refusal("fourth", 6, float("nan"))
+    assert "not ours" in hand_ins.refusal("fourth", 7, 100.0)  # rounds ahead: not held
     refused = []
     sent, weight, folded = hand_ins.fold(own, 1000.0, lambda peer, problem: refused.append((peer, problem.kind)))
     assert (weight, folded) == (1100.0, 1) and refused == [("flipper", "direction")]

@@ -3,8 +3,8 @@ which averages it in with its own, and takes the round's average back from it.
 
 Why: a member's all-reduce runs at its own pace. Every member sends its parts and receives the averages at the pace
 of its CPU and link, and a reducer answers a part only once every member's copy of it is in, so the whole group's
-all-reduce ends when the slowest member's parts are through (BENCHMARKS.md, "Unequal volunteers": a peer at 0.15 of a
-core held each round of three fast peers for about a second). Reducing less (``vector_split.paced_bandwidths``) does
+all-reduce ends when the slowest member's parts are through: a peer at a sliver of a core held every round of the fast
+peers (BENCHMARKS.md, "Unequal volunteers"). Reducing less (``vector_split.paced_bandwidths``) does
 not remove what it sends. Handed in ahead of the round, its sending is off everyone's critical path:
 
 1. the slow peer S (``rounds/pace.py``, ``Pace.proxies``) sends its pseudo-gradient and its tokens to a proxy P as
@@ -21,9 +21,9 @@ not remove what it sends. Handed in ahead of the round, its sending is off every
    leaves its replica where the others' are), else with nothing, and S heals as a peer whose round failed
    (``rounds/healing.py``).
 
-A proxy keeps at most ``MAX_PER_ROUND`` hand-ins a round (each a copy of the model's fp32 vector), and one from a
-peer it refuses (banned, not admitted) or for a round it has begun already is refused; S then joins the all-reduce
-as any member (``rounds/exchange.py``).
+A proxy keeps at most ``MAX_PER_ROUND`` hand-ins a round (each a copy of the model's fp32 vector), for its current
+round or the next only; one from a peer it refuses (banned, not admitted), for a round it has begun already, or for
+another round is refused, and S then joins the all-reduce as any member (``rounds/exchange.py``).
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ class HandIns:
         """Why a hand-in of ``peer`` for the round of ``epoch`` is not taken ("" if it is)."""
         if epoch < self.epoch or (epoch == self.epoch and self.began):
             return f"late: our all-reduce of round {self.epoch} has begun"
+        if epoch > self.epoch + 1:  # (each round held would be memory a stranger could fill)
+            return f"round {epoch} is not ours: we run round {self.epoch}, or the next"
         if not (math.isfinite(weight) and weight > 0):
             return f"weight {weight!r} (must be finite and positive)"
         handed = self.waiting.get(epoch, [])
