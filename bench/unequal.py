@@ -17,6 +17,9 @@ before anything is measured):
 
 Then the swarm's averaged tokens/s with the slow peers against the fast peers' alone (the issue's goal: at least
 0.9), and whether every round's replicas were identical. Records go to ``bench/results.json`` (``unequal``).
+
+``--floor``: also the fast peers alone beside a busy loop held to each slow peer's share (no slow peer in the swarm):
+what the slow peers' CPU alone leaves the fast ones on this machine, the most the swarm could reach with them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import contextlib
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,12 +47,15 @@ SETS = ["outer.inner_steps=20", "run.threads=1", "checkpoint.dir=''", "data.max_
 small corpus, one eval batch; everything else is tiny-cpu's default: no tuning flags."""
 
 
-def run(workdir: Path, shares: list[str], length: str, rounds: int, extra: list[str]) -> dict:
-    """A swarm of ``len(shares)`` peers for ``rounds`` rounds; its measurements (see the module docstring)."""
+def run(workdir: Path, shares: list[str], length: str, rounds: int, extra: list[str], burn: list[str] = ()) -> dict:
+    """A swarm of ``len(shares)`` peers for ``rounds`` rounds; its measurements (see the module docstring). ``burn``:
+    a busy loop beside it for each share given (``--floor``)."""
     shutil.rmtree(workdir, ignore_errors=True)  # event logs are appended to: a run again would read the last one's
     workdir.mkdir(parents=True)
     names = [f"p{i}" for i in range(len(shares))]
     with contextlib.ExitStack() as stack:
+        for i, share in enumerate(burn):
+            stack.enter_context(busy_loop(f"unequal-burn{i}", float(share)))
         # the first round waits for every peer (a throttled one takes a while to start): the rounds measured are
         # the swarm's steady state, all of it in
         sets = [*SETS, f"outer.round_length={length}", f"run.max_rounds={rounds}", f"averaging.min_peers={len(shares)}",
@@ -64,6 +71,20 @@ def run(workdir: Path, shares: list[str], length: str, rounds: int, extra: list[
         swarm.reap()
         logs = {name: swarm.events(name, "round") for name in names}
     return measure(logs, shares)
+
+
+@contextlib.contextmanager
+def busy_loop(name: str, cores: float):
+    """A process that only burns CPU, held to ``cores`` of one core (a cgroup), until the block ends."""
+    with cpu_quota(name, cores) as group:
+        proc = subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            (group / "cgroup.procs").write_text(str(proc.pid))
+            yield
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 def measure(logs: dict[str, list[dict]], shares: list[str]) -> dict:
@@ -99,6 +120,8 @@ def main() -> int:
     parser.add_argument("--workdir", default="runs/bench-unequal")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every peer of every run (e.g. outer.overlap=eager)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also the fast peers beside busy loops of the slow peers' shares (the CPU's floor)")
     args = parser.parse_args()
     why = available()
     if why:
@@ -112,6 +135,15 @@ def main() -> int:
         # the baseline: the fast peers alone, where they are two or more (one alone averages nothing)
         alone = run(Path(args.workdir) / f"{tag}-fast", fast, "time", args.rounds, args.set) if len(fast) > 1 \
             else None
+        if args.floor and alone:
+            slow = [s for s in shares if s != "full"]
+            floor = run(Path(args.workdir) / f"{tag}-floor", fast, "time", args.rounds, args.set, burn=slow)
+            ratio = floor["tokens_per_second"] / max(alone["tokens_per_second"], 1e-9)
+            print(f"\n{spread}: the fast peers beside busy loops of {','.join(slow)} of a core, no slow peer: "
+                  f"{floor['tokens_per_second']:,.0f} tokens/s, {ratio:.2f}x of alone "
+                  f"({alone['tokens_per_second']:,.0f}): the most the slow peers' CPU leaves them", flush=True)
+            figures.append(figure("unequal_floor", floor["tokens_per_second"], alone["tokens_per_second"],
+                                  spread=spread, rounds=args.rounds, sets=args.set))
         for length in args.lengths.split(","):
             started = time.monotonic()
             every = run(Path(args.workdir) / f"{tag}-{length}", shares, length, args.rounds, args.set)
