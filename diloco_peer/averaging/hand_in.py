@@ -36,17 +36,17 @@ from dataclasses import dataclass
 from typing import AsyncIterator  # not collections.abc: hivemind reads the handler type by its typing name
 
 import torch
-from hivemind.compression import CompressionInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
-from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+from hivemind.utils.streaming import combine_from_streaming
 
 from ..swarm.p2pd_internals import until_the_caller_hangs_up
 from . import hivemind_internals as internals
 from . import traffic
 from .compression import deserialize
+from .state_transfer import tensor_messages
 from .robust_aggregation import BadContribution, Limits, all_finite, vector_norm
 
 logger = logging.getLogger(__name__)
@@ -193,23 +193,9 @@ def check(handed: HandedIn, own: list[torch.Tensor], own_norm: float, weight: fl
     return None
 
 
-def messages(averager, tensors: list[torch.Tensor], metadata: dict):
-    """The ``DownloadData`` messages that carry ``tensors`` (fp32, uncompressed: the average must arrive bit for
-    bit) after ``metadata``, and the end mark."""
-    header = averager.serializer.dumps(metadata)
-    compress = averager.state_compression.compress
-    for index, tensor in enumerate(tensors):
-        serialized = compress(tensor, CompressionInfo.from_tensor(tensor, key=index), allow_inplace=False)
-        for part in split_for_streaming(serialized):
-            yield averaging_pb2.DownloadData(tensor_part=part, **({"metadata": header} if header else {}))
-            header = b""
-    if header:
-        yield averaging_pb2.DownloadData(metadata=header)
-    yield averaging_pb2.DownloadData()  # the end mark
-
-
 async def receive(averager, stream, shapes: list[torch.Size], timeout: float) -> tuple[dict, list[torch.Tensor]]:
-    """The metadata and tensors of a stream of ``messages`` (``timeout``: the wait for each message). Raises if it
+    """The metadata and tensors of a stream of ``state_transfer.tensor_messages`` (``timeout``: the wait for each
+    message). Raises if it
     is malformed or breaks off: tensors not of ``shapes`` (fp32) or fewer, no metadata, no end mark."""
     metadata, tensors, parts = None, [], []
     ended = False
@@ -264,7 +250,7 @@ async def hand_in(averager, proxy_stub, epoch: int, tokens: float, proof: bytes,
     proxy for the round of ``epoch``; why it was not taken ("" if it was)."""
     metadata = {"epoch": epoch, "tokens": tokens, "proof": proof}
     started = time.perf_counter()
-    outgoing = messages(averager, averager._sent(), metadata)
+    outgoing = tensor_messages(averager, averager._sent(), metadata)
 
     async def sent():
         for message in outgoing:
@@ -293,7 +279,7 @@ async def serve_result(averager, raw: bytes, peer: str):
     except Exception:
         return
     averaged, group_size = await averager.hand_ins.result(epoch, peer, wait)
-    for message in messages(averager, averaged or [], {"group_size": group_size if averaged else 0}):
+    for message in tensor_messages(averager, averaged or [], {"group_size": group_size if averaged else 0}):
         yield message
     await until_the_caller_hangs_up()
 

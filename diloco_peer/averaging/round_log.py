@@ -33,9 +33,6 @@ import time
 from pathlib import Path
 
 import torch
-from hivemind.compression import CompressionInfo
-from hivemind.proto import averaging_pb2
-from hivemind.utils.streaming import split_for_streaming
 
 from ..lifecycle import hivemind_calls
 from ..swarm.p2pd_internals import until_the_caller_hangs_up
@@ -43,6 +40,7 @@ from ..training.model import param_sha256, state_digest
 from ..training.outer_optimizer import OuterOptimizer, flat_tensors, step_tensor
 from . import hivemind_internals as internals
 from .state_files import SpilledTensor, SpilledTensors, spilled
+from .state_transfer import tensor_messages
 
 logger = logging.getLogger(__name__)
 
@@ -163,22 +161,17 @@ async def serve(averager, raw: bytes):
     if per_round * len(epochs) >= max_bytes:
         epochs = []
         entries = []
-    metadata = averager.serializer.dumps({"epochs": epochs})
-    compress = averager.state_compression.compress
-    for update in entries:
-        for index in range(len(update)):
-            tensor = update[index]
-            tensor = tensor.load() if isinstance(tensor, SpilledTensor) else tensor
-            narrow = _narrow(tensor)
-            tensor = narrow if narrow is not None else tensor
-            serialized = compress(tensor, CompressionInfo.from_tensor(tensor, key=index), allow_inplace=False)
-            for part in split_for_streaming(serialized):
-                yield averaging_pb2.DownloadData(tensor_part=part, **({"metadata": metadata} if metadata else {}))
-                metadata = b""
-    if metadata:
-        yield averaging_pb2.DownloadData(metadata=metadata)
-    averager.replayed_at[0] = time.time()
-    yield averaging_pb2.DownloadData()  # the end mark (``state_transfer.download`` hangs up on it)
+
+    def sent():  # each round's update, tensor by tensor, as fp16 or bf16 where that holds the same values
+        for update in entries:
+            for tensor in update:
+                tensor = tensor.load() if isinstance(tensor, SpilledTensor) else tensor
+                narrow = _narrow(tensor)
+                yield narrow if narrow is not None else tensor
+        averager.replayed_at[0] = time.time()
+
+    for message in tensor_messages(averager, sent(), {"epochs": epochs}):
+        yield message  # (ending with the end mark: ``state_transfer.download`` hangs up on it)
     await until_the_caller_hangs_up()
 
 

@@ -229,6 +229,22 @@ async def serve(averager, metadata: bytes, tensors: list[torch.Tensor], served: 
     await until_the_caller_hangs_up()
 
 
+def tensor_messages(averager, tensors, metadata: dict):
+    """The ``DownloadData`` messages of a stream of ``tensors`` (any iterable; each compressed with the averager's state
+    codec, none by default, and split into chunks) after ``metadata`` (in the first message), and the end mark the
+    caller hangs up on: logged rounds (``round_log.serve``), a hand-in and its average (``hand_in.py``)."""
+    header = averager.serializer.dumps(metadata)
+    compress = averager.state_compression.compress
+    for index, tensor in enumerate(tensors):
+        serialized = compress(tensor, CompressionInfo.from_tensor(tensor, key=index), allow_inplace=False)
+        for part in split_for_streaming(serialized):
+            yield averaging_pb2.DownloadData(tensor_part=part, **({"metadata": header} if header else {}))
+            header = b""
+    if header:
+        yield averaging_pb2.DownloadData(metadata=header)
+    yield averaging_pb2.DownloadData()  # the end mark
+
+
 def _is_end_mark(message: averaging_pb2.DownloadData) -> bool:
     return not message.metadata and not message.HasField("tensor_part")
 
