@@ -3,13 +3,17 @@ which averages it in with its own, and takes the round's average back. The arith
 round on real averagers (DHT + averager processes on loopback, no mocks)."""
 
 import asyncio
+import types
 
 import pytest
 import torch
+from hivemind.compression import NoCompression
+from hivemind.utils import MSGPackSerializer
 
 from diloco_peer.averaging.averager import RoundAverager
-from diloco_peer.averaging.hand_in import MAX_PER_ROUND, HandedIn, HandIns
+from diloco_peer.averaging.hand_in import MAX_PER_ROUND, HandedIn, HandIns, receive
 from diloco_peer.averaging.robust_aggregation import Limits
+from diloco_peer.averaging.state_transfer import tensor_messages
 from diloco_peer.config import AveragingConfig
 from diloco_peer.config.faults import Faults
 from diloco_peer.rounds.pace import Pace
@@ -63,6 +67,24 @@ def test_a_hand_in_for_a_round_its_proxy_skipped_is_answered_at_once_with_nothin
         return await asyncio.wait_for(hand_ins.result(4, "slow", timeout=60), 1)
 
     assert asyncio.run(ask()) == (None, 0)
+
+
+def test_a_stream_carries_our_tensors_and_one_of_more_bytes_than_they_take_is_refused():
+    averager = types.SimpleNamespace(serializer=MSGPackSerializer, state_compression=NoCompression())
+
+    async def read(tensors, shapes):
+        async def stream():
+            for message in tensor_messages(averager, tensors, {"epoch": 3}):
+                yield message
+        return await receive(averager, stream(), shapes, timeout=5)
+
+    sent = _pseudo_gradient(1)
+    metadata, got = asyncio.run(read(sent, SHAPES))
+    assert metadata == {"epoch": 3} and all(torch.equal(a, b) for a, b in zip(got, sent))
+    with pytest.raises(ValueError, match="more bytes"):  # (a stranger's stream is held in memory as it comes)
+        asyncio.run(read([torch.zeros(400_000)], [torch.Size([10])]))
+    with pytest.raises(ValueError, match="not shaped like"):
+        asyncio.run(read([torch.zeros(10, dtype=torch.float64)], [torch.Size([10])]))
 
 
 @pytest.mark.parametrize("bad, kind", [("nan", "non_finite"), ("huge", "norm"), ("weight", "weight"),

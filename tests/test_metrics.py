@@ -46,6 +46,8 @@ def test_events_drive_the_metrics():
                   {"event": "sync", "time": 112.0, "ok": False, "epoch": 5, "seconds": 5.0, "bytes": 0},
                   {"event": "serve", "time": 113.0, "epoch": 5, "bytes": 2_500_000},
                   {"event": "checkpoint", "time": 114.0, "epoch": 5, "seconds": 0.08, "bytes": 6_000_000},
+                  {"event": "handed_in", "time": 114.5, "peer": "p0", "epoch": 5, "proxy": "12D3KooWfast",
+                   "seconds": 0.3},
                   {"event": "no-such-event", "time": 115.0}):
         m.observe(event)
     assert _value(m, "diloco_tokens_total") == 10240 and _value(m, "diloco_inner_steps_total") == 10
@@ -69,6 +71,7 @@ def test_events_drive_the_metrics():
     assert _value(m, "diloco_state_syncs_total", result="ok") == _value(m, "diloco_state_syncs_total",
                                                                         result="failed") == 1
     assert _value(m, "diloco_checkpoint_duration_seconds_count") == 1
+    assert _value(m, "diloco_hand_ins_total") == 1
     assert _value(m, "diloco_last_outer_step_timestamp_seconds") == 110.0
     assert _value(m, "diloco_peer_info", peer_id="12D3KooWtest", name="p0", fingerprint="abc") == 1
     assert m.status == {"status": "training", "epoch": 5, "last_outer_step": 110.0}

@@ -195,11 +195,15 @@ def check(handed: HandedIn, own: list[torch.Tensor], own_norm: float, weight: fl
 
 async def receive(averager, stream, shapes: list[torch.Size], timeout: float) -> tuple[dict, list[torch.Tensor]]:
     """The metadata and tensors of a stream of ``state_transfer.tensor_messages`` (``timeout``: the wait for each
-    message). Raises if it
-    is malformed or breaks off: tensors not of ``shapes`` (fp32) or fewer, no metadata, no end mark."""
+    message). Raises if it is malformed or breaks off: tensors not of ``shapes`` (fp32) or fewer, more bytes than
+    such tensors take (a stranger's stream is held in memory), no metadata, no end mark."""
     metadata, tensors, parts = None, [], []
     ended = False
+    budget = 4 * sum(s.numel() for s in shapes) + 2**20  # (fp32 values, and room for the messages' framing)
     async for message in aiter_with_timeout(stream, timeout=timeout):
+        budget -= message.ByteSize()
+        if budget < 0:
+            raise ValueError(f"more bytes than the {len(shapes)} tensors of our pseudo-gradient take")
         if not message.metadata and not message.HasField("tensor_part"):
             ended = True
             break
@@ -232,7 +236,7 @@ async def serve_hand_in(averager, requests, peer: str):
     try:
         metadata, tensors = await receive(averager, requests, shapes, averager.request_timeout * 10)
         epoch, weight = int(metadata["epoch"]), float(metadata["tokens"])
-        kind, why = averager.members.refusal_of(peer, metadata)
+        _, why = averager.members.refusal_of(peer, metadata)
         why = why or averager.hand_ins.refusal(peer, epoch, weight) or ("" if tensors else "no tensors")
         if not why:
             averager.hand_ins.take(HandedIn(peer, tensors, weight), epoch)

@@ -91,6 +91,8 @@ class PeerMetrics:
                                 "malformed, shape, non_finite, weight, norm, direction, unadmitted, state",
                                 ["kind"], registry=r)
         self.bans = Counter("diloco_peer_bans", "Peers banned for repeated offenses", registry=r)
+        self.hand_ins = Counter("diloco_hand_ins", "Rounds this peer handed its pseudo-gradient in to a faster peer "
+                                "instead of joining the all-reduce (too slow for it: averaging/hand_in.py)", registry=r)
         self.reachability = Gauge("diloco_reachability", "1 for how other peers reach this one now: direct, relayed "
                                   "(through a relay), outbound-only (not at all; client mode)", ["mode"], registry=r)
         self.relays = Gauge("diloco_relays_held", "Relays that carry this peer now (relayed mode)", registry=r)
@@ -211,6 +213,9 @@ class PeerMetrics:
         self.rejected.labels(e["kind"]).inc()
         if e["banned"]:
             self.bans.inc()
+
+    def _on_handed_in(self, e: dict) -> None:
+        self.hand_ins.inc()
 
     def _on_stop(self, e: dict) -> None:
         self.up.set(0)
