@@ -139,9 +139,9 @@ class Pace:
 
 class RoundClock:
     """When a round bounded by time is over: once its next inner step would end past the budget by more than
-    ``overrun`` allows, one step at least (``budget`` None: never, the round is H steps). It counts the time in inner steps, not
-    the hops between chunks of them (those are the round's other work, which the budget has left out already).
-    ``trainer``'s LR position says when the first step is done."""
+    ``overrun`` allows, one step at least (``budget`` None: never, the round is H steps). It counts the time in inner
+    steps, not the hops between chunks of them (those are the round's other work, which the budget has left out
+    already). ``trainer``'s LR position says when the first step is done."""
 
     def __init__(self, budget: float | None, step_seconds: float | None, trainer: Trainer):
         self.budget = budget
