@@ -38,16 +38,14 @@ from typing import AsyncIterator  # not collections.abc: hivemind reads the hand
 import torch
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
 from hivemind.utils.streaming import combine_from_streaming
 
 from ..swarm.p2pd_internals import until_the_caller_hangs_up
-from . import hivemind_internals as internals
 from . import traffic
 from .compression import deserialize
 from .state_transfer import tensor_messages
-from .robust_aggregation import BadContribution, Limits, all_finite, vector_norm
+from .robust_aggregation import BadContribution, Limits, check_arrival, vector_norm
 
 logger = logging.getLogger(__name__)
 
@@ -174,10 +172,13 @@ def check(handed: HandedIn, own: list[torch.Tensor], own_norm: float, weight: fl
     """What is wrong with a hand-in, measured against our own pseudo-gradient ``own`` (None: nothing). A hand-in
     is a light contribution (a slow peer's few steps): its direction is refused only where it points clearly against
     ours (``ban_cosine``), as a reducer judges a light part (``robust_aggregation.aggregate``)."""
-    if len(handed.tensors) != len(own) or any(h.shape != o.shape for h, o in zip(handed.tensors, own)):
-        return BadContribution("shape", "a hand-in not shaped like our pseudo-gradient")
-    if not all(all_finite(t) for t in handed.tensors):
-        return BadContribution("non_finite", "a hand-in with non-finite values")
+    if len(handed.tensors) != len(own):
+        return BadContribution("shape", f"a hand-in of {len(handed.tensors)} tensors, not our {len(own)}")
+    try:  # what a reducer checks of a part as it arrives: shape, dtype, finite values, a sane weight
+        for tensor, ours in zip(handed.tensors, own):
+            check_arrival(tensor, ours.shape, handed.weight, limits)
+    except BadContribution as problem:
+        return problem
     if limits.max_weight_ratio and handed.weight > limits.max_weight_ratio * max(weight, 1e-12):
         return BadContribution("weight", f"a hand-in of weight {handed.weight:g}, {handed.weight / weight:.0f}x ours "
                                          f"(averaging.max_weight_ratio={limits.max_weight_ratio:g})")
@@ -249,7 +250,7 @@ async def serve_hand_in(averager, requests, peer: str):
     await until_the_caller_hangs_up()
 
 
-async def hand_in(averager, proxy_stub, epoch: int, tokens: float, proof: bytes, timeout: float) -> str:
+async def hand_in(averager, proxy: str, epoch: int, tokens: float, proof: bytes, timeout: float) -> str:
     """In the slow peer's averager process: send what we would send in an all-reduce (``averager._sent()``) to a
     proxy for the round of ``epoch``; why it was not taken ("" if it was)."""
     metadata = {"epoch": epoch, "tokens": tokens, "proof": proof}
@@ -261,7 +262,7 @@ async def hand_in(averager, proxy_stub, epoch: int, tokens: float, proof: bytes,
             averager.traffic[traffic.SENT] += message.ByteSize()
             yield message
 
-    replies = await asyncio.wait_for(proxy_stub.rpc_hand_in(sent()), timeout)
+    replies = await asyncio.wait_for(averager._stub_for(PeerID.from_base58(proxy)).rpc_hand_in(sent()), timeout)
     try:
         reply = await asyncio.wait_for(anext(replies), timeout)
     finally:
@@ -288,12 +289,13 @@ async def serve_result(averager, raw: bytes, peer: str):
     await until_the_caller_hangs_up()
 
 
-async def fetch(averager, proxy_stub, epoch: int, wait: float) -> int:
+async def fetch(averager, proxy: str, epoch: int, wait: float) -> int:
     """In the slow peer's averager process: the average of the round of ``epoch`` from the proxy we handed in to,
     written to ``averaged_tensors``, once its round ended (``wait`` at most); the size of the group it was averaged
     in (0: no clean average came, and they are untouched)."""
     request = averaging_pb2.DownloadData(metadata=averager.serializer.dumps({"epoch": epoch, "wait": wait}))
-    stream = await asyncio.wait_for(proxy_stub.rpc_hand_back(request), averager.request_timeout * 10)
+    stream = await asyncio.wait_for(averager._stub_for(PeerID.from_base58(proxy)).rpc_hand_back(request),
+                                    averager.request_timeout * 10)
 
     first = []  # when the first message came: the proxy's round had ended
 
@@ -337,23 +339,9 @@ class HandInService:
     def hand_in_to(self, proxy: str, epoch: int, tokens: float, proof: bytes, timeout: float) -> str:
         """From the host process: hand what ``inputs`` holds in to ``proxy`` for the round of ``epoch``; why it was
         not taken ("" if it was). Blocks (call it through ``lifecycle.hivemind_calls``)."""
-        return self._with_proxy(hand_in, proxy, epoch, tokens, proof, timeout)
+        return self.with_peer(hand_in, proxy, epoch, tokens, proof, timeout)
 
     def fetch_average(self, proxy: str, epoch: int, wait: float) -> int:
         """From the host process: the average of the round of ``epoch`` from ``proxy``, written to
         ``averaged_tensors`` (``fetch``); the size of its group, 0 if no clean average came. Blocks."""
-        return self._with_proxy(fetch, proxy, epoch, wait)
-
-    def _with_proxy(self, call, proxy: str, *args):
-        future = MPFuture()
-        internals.send_to_averager_process(self, "_call_with_proxy", call, proxy, args, future=future)
-        return future.result()
-
-    async def _call_with_proxy(self, call, proxy: str, args: tuple, future: MPFuture) -> None:
-        try:
-            if self.members.refuses(proxy):
-                raise RuntimeError(f"peer {proxy} is banned or not admitted")
-            future.set_result(await call(self, self._stub_for(PeerID.from_base58(proxy)), *args))
-        except BaseException as e:
-            if not future.done():
-                future.set_exception(RuntimeError(f"{type(e).__name__}: {e}".strip(": ")))
+        return self.with_peer(fetch, proxy, epoch, wait)

@@ -277,18 +277,23 @@ class PseudoGradientAverager(hand_in.HandInService, DecentralizedAverager):
 
     def download_state_from(self, donor: str, timeout: float, **resume) -> tuple[dict, list[torch.Tensor], int]:
         """Download ``donor``'s state: (metadata, tensors, bytes received). Raises on failure or silence.
-        ``resume``: ``into``, ``resume`` and ``expected`` of ``state_transfer.download``."""
+        ``timeout`` bounds the wait for each chunk, not the whole download. ``resume``: ``into``, ``resume`` and
+        ``expected`` of ``state_transfer.download``."""
+        return self.with_peer(state_transfer.download, donor, timeout, **resume)
+
+    def with_peer(self, call, peer: str, *args, **kwargs):
+        """From the host process: ``await call(averager, peer, *args, **kwargs)`` run in the averager process, for a
+        ``peer`` (base58) we do not refuse (banned, not admitted); its result. Raises a one-line ``RuntimeError`` on
+        failure. Blocks (call it through ``lifecycle.hivemind_calls``)."""
         future = MPFuture()
-        internals.send_to_averager_process(self, "_download_state_from", donor=donor, timeout=timeout, future=future,
-                                           **resume)
+        internals.send_to_averager_process(self, "_call_with_peer", call, peer, args, kwargs, future=future)
         return future.result()
 
-    async def _download_state_from(self, donor: str, timeout: float, future: MPFuture, **resume) -> None:
-        # runs in the averager process; ``timeout`` bounds the wait for each chunk, not the whole download
+    async def _call_with_peer(self, call, peer: str, args: tuple, kwargs: dict, future: MPFuture) -> None:
         try:
-            if self.members.refuses(donor):
-                raise RuntimeError(f"donor {donor} is banned or not admitted")
-            future.set_result(await state_transfer.download(self, donor, timeout, **resume))
+            if self.members.refuses(peer):
+                raise RuntimeError(f"peer {peer} is banned or not admitted")
+            future.set_result(await call(self, peer, *args, **kwargs))
         except BaseException as e:
             if not future.done():
                 future.set_exception(RuntimeError(f"{type(e).__name__}: {e}".strip(": ")))
