@@ -83,8 +83,9 @@ def test_chaos_kills_leaves_and_joins_the_survivors_end_identical(local_swarm):
         time.sleep(0.2)
     # p3 died having sent nobody a part of its own: its group drops it as a sender once its connection goes, not
     # after hivemind's sender_timeout (half the all-reduce timeout: 4 s here, 30 s by default; 30.1-30.5 s in a
-    # 3-peer run before, 0.5-0.9 s after)
-    assert all(e["allreduce_seconds"] < 4.0 for e in damaged()), damaged()
+    # 3-peer run before, 0.5-0.9 s after). Its group's members only: the newcomer, ready once that group had formed
+    # (it joined as the round's gates opened), found no group and failed after its matchmaking's 3 windows (7.6 s)
+    assert all(e["allreduce_seconds"] < 4.0 for e in damaged() if e["group_size"] > 1), damaged()
     # once the newcomer has contributed: p2 leaves gracefully, then p1 is killed right after a round,
     # while its background checkpoint write runs, and restarts with the same name
     # (its first round with others: averaged, or partial if a reducer failed in it, seen in a run here)
