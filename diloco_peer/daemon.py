@@ -42,9 +42,10 @@ from .rounds.record import RoundRecord
 from .state.checkpoint import CheckpointManager, capture, restore
 from .state.state_sync import StateSync
 from .swarm.admission import load_admission
+from .swarm.dht_role import DhtRole
 from .swarm.join import join_swarm, visible_addresses
 from .swarm.progress import SwarmProgress
-from .swarm.reachability import DIRECT, RELAYED, Reach, ReachabilityWatch
+from .swarm.reachability import DIRECT, OUTBOUND, RELAYED, Reach, ReachabilityWatch
 from .training.data import Corpus, shard_for_peer
 from .training.model import build_model, move_parameters, num_parameters, parameter_shapes
 from .training.outer_optimizer import OuterOptimizer, flat_tensors
@@ -207,7 +208,8 @@ class PeerDaemon:
                            "swarm open to strangers use --set averaging.aggregation=robust (SECURITY.md)")
         self.rounds = OuterRounds(cfg.outer, cfg.averaging, cfg.run.max_rounds, self.name, trainer=trainer,
                                   outer=outer, averager=averager, progress=progress, sync=sync, events=events,
-                                  compute=self._compute, should_stop=lambda: self.stopping, tty=self.tty)
+                                  compute=self._compute, should_stop=lambda: self.stopping,
+                                  dht_role=DhtRole(dht, serving=reach.mode != OUTBOUND), tty=self.tty)
         return self.rounds
 
     async def _build(self, dht, shard: int, reach: Reach, faults: Faults) -> tuple[RoundAverager, Trainer,

@@ -69,6 +69,20 @@ def test_a_hand_in_for_a_round_its_proxy_skipped_is_answered_at_once_with_nothin
     assert asyncio.run(ask()) == (None, 0)
 
 
+def test_a_round_its_proxy_runs_no_all_reduce_for_is_answered_at_once_and_takes_no_more_hand_ins():
+    hand_ins = HandIns(Limits())
+    hand_ins.round_begins(3)
+    hand_ins.take(HandedIn("slow", _pseudo_gradient(2), 100.0), 3)
+    hand_ins.no_all_reduce(3)  # the proxy's gate found no other member
+
+    async def ask():
+        return await asyncio.wait_for(hand_ins.result(3, "slow", timeout=60), 1)
+
+    assert asyncio.run(ask()) == (None, 0)
+    assert "late" in hand_ins.refusal("other", 3, 100.0)
+    assert hand_ins.refusal("other", 4, 100.0) == ""  # the next round's are taken
+
+
 def test_a_stream_carries_our_tensors_and_one_of_more_bytes_than_they_take_is_refused():
     averager = types.SimpleNamespace(serializer=MSGPackSerializer, state_compression=NoCompression())
 
@@ -184,6 +198,29 @@ def test_a_hand_in_whose_proxy_averages_with_nobody_fails_and_says_so(dhts):
         slow.shutdown()
     assert not own.ok and not handed.ok and "no clean average" in handed.error, (own, handed)
     assert handed.seconds < own.seconds + 5, (own.seconds, handed.seconds)
+
+
+@pytest.mark.slow
+@pytest.mark.light
+def test_a_proxy_that_runs_no_all_reduce_tells_the_peer_that_handed_in_at_once(dhts):
+    """The proxy's gate found no other member (the peers that handed in to it were all the others): it runs no
+    all-reduce, and says so, where the peer that handed in waited out its fetch (120 s in a swarm of three) while the
+    proxy waited for that peer's round to end."""
+    nodes = dhts(2)
+    proxy, slow = (RoundAverager(dht, SHAPES, "hand-in-none", CFG) for dht in nodes)
+
+    async def one_round():
+        assert await slow.hand_in(_pseudo_gradient(2), 100, epoch=0, proxy=proxy.peer_id) == ""
+        fetched = asyncio.create_task(slow.handed_back(proxy.peer_id, 0))
+        await proxy.no_all_reduce(0)
+        return await asyncio.wait_for(fetched, 30)
+
+    try:
+        handed = asyncio.run(one_round())
+    finally:
+        proxy.shutdown()
+        slow.shutdown()
+    assert not handed.ok and "no clean average" in handed.error, handed
 
 
 @pytest.mark.slow

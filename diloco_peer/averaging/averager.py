@@ -42,6 +42,7 @@ from ..lifecycle import hivemind_calls
 from ..swarm.admission import Admission
 from ..training.outer_optimizer import flat_tensors, release_pages
 from .compression import ErrorFeedback, WireCompression, get_codec
+from .handing_in import HandingIn
 from .hivemind_internals import keeping_our_sigint
 from .pseudo_gradient_averager import PseudoGradientAverager
 from .robust_aggregation import BanList, Limits, vector_norm
@@ -94,7 +95,7 @@ class RoundResult:
     """Contributions of other peers our averager refused since the last round (see ``offenses()``)."""
 
 
-class RoundAverager:
+class RoundAverager(HandingIn):
     """Averages one pseudo-gradient per outer round with whichever peers are in the round.
 
     :param dht: a running DHT (the averager gets its own process and shares the DHT's p2p daemon)
@@ -274,44 +275,6 @@ class RoundAverager:
             averaged = list(tensors)
         epochs = [int(meta["epoch"]) for meta in gathered.values()]
         return self._result(True, started, before, averaged=averaged, group_size=len(gathered), group_epochs=epochs)
-
-    async def hand_in(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int, proxy: str) -> str:
-        """Hand ``pseudo_gradient`` (weighted by ``weight``, its tokens) in to ``proxy`` (base58) for the round of
-        ``epoch``, instead of joining its all-reduce (``hand_in.py``): sent whole, in fp32. Why it was not taken ("" if
-        it was: ``handed_back`` gets the round's average from the proxy once its round ended)."""
-        self._handed = (time.perf_counter(), self.averager.traffic.clone())
-        self._copy_in(pseudo_gradient)
-        self._in_flight = True
-        try:
-            timeout = self.cfg.request_timeout * 10
-            return await hivemind_calls.call(self.averager.hand_in_to, proxy, epoch,
-                                             float(self.faults.poisoned_weight(weight)),
-                                             self.admission.proof(self.peer_id), timeout, timeout=timeout * 2)
-        except Exception as e:  # the proxy is gone, or broke off: we join the all-reduce instead
-            return f"{type(e).__name__}: {e}".strip(": ")
-        finally:
-            self._in_flight = False
-
-    async def handed_back(self, proxy: str, epoch: int) -> RoundResult:
-        """The round's average from the proxy we handed in to (``hand_in``), once its round ended: a result as
-        ``average``'s, the proxy's group's size its size (failed: no clean average came; we heal as after a failed
-        round)."""
-        started, before = self._handed
-        wait = self.matchmaking_window(None) * 3 + 2 * self.cfg.allreduce_timeout  # (as ``_average`` waits a step)
-        self._in_flight = True
-        try:
-            group_size = await hivemind_calls.call(self.averager.fetch_average, proxy, epoch, wait,
-                                                   timeout=wait + self.cfg.request_timeout * 20)
-        except Exception as e:
-            return self._result(False, started, before, error=f"{type(e).__name__}: {e}".strip(": "))
-        finally:
-            self._in_flight = False
-        if not group_size:
-            return self._result(False, started, before, error=f"no clean average from our proxy {proxy[-8:]}")
-        with self.averager.get_tensors() as tensors:
-            averaged = list(tensors)
-        return self._result(True, started, before, averaged=averaged, group_size=group_size,
-                            group_epochs=[epoch] * group_size)
 
     def _result(self, ok: bool, started: float, before: torch.Tensor, **kwargs) -> RoundResult:
         delta = (self.averager.traffic - before).tolist()

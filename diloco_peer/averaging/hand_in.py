@@ -39,9 +39,11 @@ import torch
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
+from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
 from ..swarm.p2pd_internals import until_the_caller_hangs_up
+from . import hivemind_internals as internals
 from . import traffic
 from .compression import deserialize
 from .state_transfer import tensor_messages
@@ -134,6 +136,14 @@ class HandIns:
     def ended(self, averaged: list[torch.Tensor] | None, group_size: int) -> None:
         """Our all-reduce of this round ended: ``averaged`` (None: not clean) is what the peers that handed in get."""
         self._settle(self.epoch, averaged, group_size)
+
+    def no_all_reduce(self, epoch: int) -> None:
+        """We run no all-reduce for the round of ``epoch`` (our gate found no other member, or we dropped the round):
+        the peers that handed it in hear so now, not when their wait ends, and later hand-ins for it are refused. (A
+        proxy whose only members handed in waited for their round's end while they waited for its average.)"""
+        if epoch >= self.epoch:
+            self.epoch, self.began = epoch, True
+        self._settle(epoch, None, 0)
 
     def step_ended(self) -> None:
         """Our step of this round is over, whether or not an all-reduce ran: nobody waits for an average any
@@ -340,6 +350,17 @@ class HandInService:
         """From the host process: hand what ``inputs`` holds in to ``proxy`` for the round of ``epoch``; why it was
         not taken ("" if it was). Blocks (call it through ``lifecycle.hivemind_calls``)."""
         return self.with_peer(hand_in, proxy, epoch, tokens, proof, timeout)
+
+    def no_all_reduce(self, epoch: int) -> None:
+        """From the host process: we run no all-reduce for the round of ``epoch`` (``HandIns.no_all_reduce``).
+        Blocks (call it through ``lifecycle.hivemind_calls``)."""
+        future = MPFuture()
+        internals.send_to_averager_process(self, "_no_all_reduce", epoch, future=future)
+        future.result()
+
+    async def _no_all_reduce(self, epoch: int, future: MPFuture) -> None:
+        self.hand_ins.no_all_reduce(epoch)
+        future.set_result(None)
 
     def fetch_average(self, proxy: str, epoch: int, wait: float) -> int:
         """From the host process: the average of the round of ``epoch`` from ``proxy``, written to

@@ -20,6 +20,7 @@ from ..averaging.averager import RoundAverager, RoundResult
 from ..config import AveragingConfig
 from ..observe.events import EventLog
 from ..state.state_sync import StateSync
+from ..swarm.dht_role import DhtRole
 from ..swarm.progress import ALL_READY, ReadyDecision, SwarmProgress
 from ..swarm.progress_record import ProgressRecord
 from ..training.outer_optimizer import OuterOptimizer, scaled
@@ -43,11 +44,12 @@ class RoundExchange:
     :param too_slow: names a peer the gate need not wait for: it cannot be ready in time (``Pace.too_slow``)
     :param proxies: ``(records, epoch)`` -> the peers to hand our pseudo-gradient in to instead of joining the
       all-reduce, fastest first (``Pace.proxies``; none: we are not too slow for it)
+    :param dht_role: told each round whether we handed in: our DHT node stops serving while we do (``DhtRole``)
     :param name: this peer's name, in the event log
     """
 
     def __init__(self, cfg: AveragingConfig, lag: int, at_gate: GateVerdict, name: str, *, too_slow=None,
-                 proxies=None, outer: OuterOptimizer,
+                 proxies=None, dht_role: DhtRole | None = None, outer: OuterOptimizer,
                  averager: RoundAverager, progress: SwarmProgress, sync: StateSync, healing: Healing,
                  events: EventLog, compute: ComputeThread, should_stop: Callable[[], bool]):
         self.cfg = cfg
@@ -55,6 +57,7 @@ class RoundExchange:
         self.at_gate = at_gate
         self.too_slow = too_slow
         self.proxies = proxies
+        self.dht_role = dht_role
         self.name = name
         self.outer = outer
         self.averager = averager
@@ -121,6 +124,9 @@ class RoundExchange:
         await self.progress.publish(epoch=epoch, round=epoch + self.lag, inner_step=inner_step, ready=True,
                                     state_hash=self.sync.state_hash, tokens=self.progress.record.tokens + tokens,
                                     hands_to=proxy)
+        # (after our "ready": the others' gates need not wait for the switch)
+        if self.dht_role is not None and await self.dht_role.round(handed_in=bool(proxy)):
+            self.events.write("dht_role", peer=self.name, epoch=epoch, serving=self.dht_role.serving)
         decision = await self.progress.wait_until_ready(
             min_peers=cfg.min_peers if epoch == 0 else 1, min_peers_timeout=cfg.first_round_timeout,
             ready_timeout=cfg.ready_timeout, should_stop=self.should_stop, lag=self.lag, too_slow=self.too_slow)
@@ -129,6 +135,9 @@ class RoundExchange:
         self.records = decision.records
         downloads = self.healing.downloads
         dropped, off_swarm = await self.at_gate(decision.records)
+        members = decision.ready - decision.handing_in  # (the peers that handed in do not come to matchmaking)
+        if (dropped or members < 2) and not proxy and self._handed_to_us(decision, epoch):
+            await self.averager.no_all_reduce(epoch)
         if dropped:
             return Exchange(decision, RoundResult(ok=False), dropped=True)
         if self.healing.downloads != downloads and self.averager.in_place:  # a failed download took the buffer
@@ -138,7 +147,6 @@ class RoundExchange:
             # our work: sending what we handed in and receiving the average (not the wait for the proxy's round)
             self.handing_seconds = max(self.handing_seconds, result.transfer_seconds)
             return Exchange(decision, result, off_swarm=off_swarm)
-        members = decision.ready - decision.handing_in  # (the peers that handed in do not come to matchmaking)
         if members < 2:
             return Exchange(decision, RoundResult(ok=False, error=decision.reason), off_swarm=off_swarm)
         self.events.write("averaging", peer=self.name, epoch=epoch, ready_peers=decision.ready)
@@ -168,6 +176,10 @@ class RoundExchange:
             logger.info(f"{self.name}: {proxy[-8:]} did not take our hand-in for round {epoch}: {why}")
         self.handing_seconds = time.perf_counter() - started
         return ""
+
+    def _handed_to_us(self, decision: ReadyDecision, epoch: int) -> bool:
+        own = self.progress.record.peer_id
+        return any(r.hands_to == own and r.epoch == epoch for r in decision.records)
 
     def _waiting(self, decision: ReadyDecision, epoch: int) -> list[str]:
         """Peers to tell that the round's last one is ready: all ready at our gate's first read (we came last)."""

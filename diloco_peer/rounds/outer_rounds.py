@@ -29,6 +29,7 @@ from ..config import AveragingConfig, OuterConfig
 from ..observe.events import EventLog
 from ..observe.inner_progress import InnerProgress
 from ..state.state_sync import StateSync
+from ..swarm.dht_role import DhtRole
 from ..swarm.progress import SwarmProgress
 from ..swarm.progress_record import ProgressRecord
 from ..training.outer_optimizer import OuterOptimizer, contribution_scale, scaled
@@ -63,13 +64,14 @@ class OuterRounds:
     :param events: the event log
     :param compute: the thread all torch work runs on
     :param should_stop: true once the daemon was asked to leave
+    :param dht_role: whether our DHT node serves the others (none: it stays as it joined; ``swarm/dht_role.py``)
     :param tty: show a live status bar per round (else a progress line now and then: ``InnerProgress``)
     """
 
     def __init__(self, outer_cfg: OuterConfig, averaging: AveragingConfig, max_rounds: int, name: str, *,
                  trainer: Trainer, outer: OuterOptimizer, averager: RoundAverager, progress: SwarmProgress,
                  sync: StateSync, events: EventLog, compute: ComputeThread, should_stop: Callable[[], bool],
-                 tty: bool = False):
+                 dht_role: DhtRole | None = None, tty: bool = False):
         self.averaging = averaging
         self.max_rounds = max_rounds
         self.inner_steps = outer_cfg.inner_steps
@@ -94,9 +96,9 @@ class OuterRounds:
         self.healing = Healing(averaging, self.schedule.lag, self.inner_steps, name, trainer=trainer, outer=outer,
                                averager=averager, progress=progress, sync=sync, events=events, should_stop=should_stop)
         self.exchange = RoundExchange(averaging, self.schedule.lag, self._at_gate, name, too_slow=self._too_slow,
-                                      proxies=self._proxies, outer=outer, averager=averager, progress=progress,
-                                      sync=sync, healing=self.healing, events=events, compute=compute,
-                                      should_stop=should_stop)
+                                      proxies=self._proxies, dht_role=dht_role, outer=outer, averager=averager,
+                                      progress=progress, sync=sync, healing=self.healing, events=events,
+                                      compute=compute, should_stop=should_stop)
 
     async def run(self, on_round: Callable[[RoundRecord], None]) -> None:
         """Rounds until stopped or ``run.max_rounds``; ``on_round(record)`` after each (one interrupted: dropped)."""
