@@ -47,9 +47,11 @@ SETS = ["outer.inner_steps=20", "run.threads=1", "checkpoint.dir=''", "data.max_
 small corpus, one eval batch; everything else is tiny-cpu's default: no tuning flags."""
 
 
-def run(workdir: Path, shares: list[str], length: str, rounds: int, extra: list[str], burn: list[str] = ()) -> dict:
+def run(workdir: Path, shares: list[str], length: str, rounds: int, extra: list[str], burn: list[str] = (),
+        slow_sets: list[str] = ()) -> dict:
     """A swarm of ``len(shares)`` peers for ``rounds`` rounds; its measurements (see the module docstring). ``burn``:
-    a busy loop beside it for each share given (``--floor``)."""
+    a busy loop beside it for each share given (``--floor``); ``slow_sets``: overrides for the throttled peers only
+    (``--slow-set``)."""
     shutil.rmtree(workdir, ignore_errors=True)  # event logs are appended to: a run again would read the last one's
     workdir.mkdir(parents=True)
     names = [f"p{i}" for i in range(len(shares))]
@@ -64,7 +66,7 @@ def run(workdir: Path, shares: list[str], length: str, rounds: int, extra: list[
         swarm.start_bootstrap("--report-every", "10")
         for name, share in zip(names, shares):
             group = "" if share == "full" else stack.enter_context(cpu_quota(f"unequal-{name}", float(share)))
-            swarm.start_peer(name, cgroup=group)
+            swarm.start_peer(name, *([] if share == "full" else slow_sets), cgroup=group)
         # (a peer at 0.06 of a core takes minutes to start and, with a fixed H, ~30 s a round)
         swarm.wait_for(f"{rounds} rounds of every peer", lambda: all(p.poll() is not None for p in
                                                                       swarm.peers.values()), timeout=300 + 90 * rounds)
@@ -120,6 +122,9 @@ def main() -> int:
     parser.add_argument("--workdir", default="runs/bench-unequal")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every peer of every run (e.g. outer.overlap=eager)")
+    parser.add_argument("--slow-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="each round length again, with this override for the throttled peers only "
+                             "(e.g. swarm.reachability=outbound-only)")
     parser.add_argument("--floor", action="store_true",
                         help="also the fast peers beside busy loops of the slow peers' shares (the CPU's floor)")
     args = parser.parse_args()
@@ -144,12 +149,15 @@ def main() -> int:
                   f"({alone['tokens_per_second']:,.0f}): the most the slow peers' CPU leaves them", flush=True)
             figures.append(figure("unequal_floor", floor["tokens_per_second"], alone["tokens_per_second"],
                                   spread=spread, rounds=args.rounds, sets=args.set))
-        for length in args.lengths.split(","):
+        variants = [(length, slow_sets) for length in args.lengths.split(",")
+                    for slow_sets in ([[], args.slow_set] if args.slow_set else [[]])]
+        for length, slow_sets in variants:
             started = time.monotonic()
-            every = run(Path(args.workdir) / f"{tag}-{length}", shares, length, args.rounds, args.set)
+            every = run(Path(args.workdir) / f"{tag}-{length}{'-slow-set' if slow_sets else ''}", shares, length,
+                        args.rounds, args.set, slow_sets=slow_sets)
             ratio = every["tokens_per_second"] / max(alone["tokens_per_second"], 1e-9) if alone else 0.0
             versus = f", the fast peers alone {alone['tokens_per_second']:,.0f} ({ratio:.2f}x)" if alone else ""
-            given = "".join(f" {item}" for item in args.set)
+            given = "".join(f" {item}" for item in args.set) + "".join(f" slow:{item}" for item in slow_sets)
             print(f"\n{spread} round_length={length}{given}: averaged {every['tokens_per_second']:,.0f} tokens/s"
                   f"{versus}; identical every round: {every['identical']} ({time.monotonic() - started:.0f}s)")
             for name, peer in every["peers"].items():
@@ -157,7 +165,8 @@ def main() -> int:
                       f"averaged {peer['averaged_of_trained']:.0%} of its tokens", flush=True)
             figures.append(figure("unequal", every["tokens_per_second"],
                                   alone["tokens_per_second"] if alone else every["tokens_per_second"], spread=spread,
-                                  round_length=length, rounds=args.rounds, sets=args.set, per_peer=every["peers"],
+                                  round_length=length, rounds=args.rounds, sets=args.set, slow_sets=slow_sets,
+                                  per_peer=every["peers"],
                                   identical=every["identical"]))
     save(figures)
     return 0
