@@ -135,8 +135,7 @@ class RoundExchange:
         self.records = decision.records
         downloads = self.healing.downloads
         dropped, off_swarm = await self.at_gate(decision.records)
-        members = decision.ready - decision.handing_in  # (the peers that handed in do not come to matchmaking)
-        if (dropped or members < 2) and not proxy and self._handed_to_us(decision, epoch):
+        if (dropped or decision.members < 2) and not proxy and self._handed_to_us(decision, epoch):
             await self.averager.no_all_reduce(epoch)
         if dropped:
             return Exchange(decision, RoundResult(ok=False), dropped=True)
@@ -147,12 +146,12 @@ class RoundExchange:
             # our work: sending what we handed in and receiving the average (not the wait for the proxy's round)
             self.handing_seconds = max(self.handing_seconds, result.transfer_seconds)
             return Exchange(decision, result, off_swarm=off_swarm)
-        if members < 2:
+        if decision.members < 2:
             return Exchange(decision, RoundResult(ok=False, error=decision.reason), off_swarm=off_swarm)
         self.events.write("averaging", peer=self.name, epoch=epoch, ready_peers=decision.ready)
         # once complete, the group starts at once; a gate that left stragglers behind expects the ready peers only
         # (else matchmaking waited its whole window for a peer that was alive and not coming)
-        expected = (decision.expected if decision.reason == ALL_READY else members) \
+        expected = (decision.expected if decision.reason == ALL_READY else decision.members) \
             if cfg.start_when_complete else None
         result = await self.averager.average(pseudo_gradient, weight=tokens, epoch=epoch, expected=expected,
                                              nudge=self._waiting(decision, epoch),

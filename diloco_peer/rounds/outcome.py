@@ -93,11 +93,10 @@ def decide(exchange: Exchange, epoch: int, max_update_ratio: float, faults: Faul
     if result.values_not_averaged:
         warnings.append(f"round {round_number}: {result.values_not_averaged} values were not averaged (a peer failed "
                         f"mid-round); checking our weights against the swarm's")
-    members = decision.ready - decision.handing_in  # (a peer that handed in is averaged in its proxy's part)
-    split = averaged and result.group_size < members
+    split = averaged and result.group_size < decision.members
     if split:
         warnings.append(f"round {round_number}: averaged in a group of {result.group_size} where the gate saw "
-                        f"{members} ready; checking our weights against the swarm's")
+                        f"{decision.members} ready; checking our weights against the swarm's")
     return Verdict(outcome=outcome, steps_with_average=averaged,
                    seeks_swarm_state=not averaged or bool(exchange.off_swarm),
                    rechecks=bool(result.values_not_averaged) or split, error="" if averaged else error,

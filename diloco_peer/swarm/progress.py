@@ -105,6 +105,11 @@ class ReadyDecision:
     """Of the ``ready`` peers, those that handed their pseudo-gradient in to a proxy: they do not come to
     matchmaking."""
 
+    @property
+    def members(self) -> int:
+        """The ready peers that come to the all-reduce: a peer that handed in is averaged in its proxy's part."""
+        return self.ready - self.handing_in
+
 
 def _round_peers(records: list[ProgressRecord], epoch: int, lag: int,
                  too_slow=None) -> tuple[int, list[ProgressRecord], int]:
