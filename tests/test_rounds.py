@@ -266,7 +266,8 @@ def test_the_pace_of_a_round_bounded_by_time():
 
 
 def _record(peer: str, **fields) -> ProgressRecord:
-    return ProgressRecord(peer_id=peer, epoch=1, inner_step=0, tokens=0, ready=False, time=0.0, **fields)
+    return ProgressRecord(peer_id=peer, **{"epoch": 1, "inner_step": 0, "tokens": 0, "ready": False, "time": 0.0,
+                                           **fields})
 
 
 @pytest.mark.parametrize("contribution", ["tokens", "per_step"])
@@ -308,6 +309,41 @@ def test_a_pseudo_gradient_computed_again_is_scaled_as_the_one_sent():
     assert scale == 4.0 and all(torch.equal(t, torch.full_like(t, -0.5 * scale)) for t in again)
     exchange.averager.in_place = False  # otherwise: what was sent, as it was
     assert asyncio.run(exchange.own_pseudo_gradient()) is exchange.sent
+
+
+@pytest.mark.parametrize("others", [["slow"], ["slow", "fast"]])
+def test_a_proxy_whose_gate_finds_no_other_member_tells_the_peers_that_handed_in(others):
+    """Our gate saw ``others`` ready, and "slow" had handed in to us: with nobody else to average with we run no
+    all-reduce, and the averager answers the hand-ins at once (``HandIns.no_all_reduce``); with a member more we
+    average, and the hand-in is folded into our part."""
+    records = [_record("us", ready=True), _record("slow", ready=True, hands_to="us"),
+               *[_record(name, ready=True) for name in others if name != "slow"]]
+    decision = ReadyDecision(len(records), len(records), 0.0, ALL_READY, records=records, handing_in=1)
+    told = []
+
+    async def average(*args, **kwargs):
+        return RoundResult(ok=True, group_size=2)
+
+    async def no_all_reduce(epoch):
+        told.append(epoch)
+
+    async def wait_until_ready(**kwargs):
+        return decision
+
+    async def publish(**kwargs):
+        pass
+
+    async def at_gate(records):
+        return False, ""
+
+    averager = SimpleNamespace(in_place=False, average=average, no_all_reduce=no_all_reduce)
+    progress = SimpleNamespace(record=_record("us"), publish=publish, wait_until_ready=wait_until_ready)
+    exchange = RoundExchange(AveragingConfig(), 0, at_gate, "us", averager=averager, progress=progress,
+                             outer=None, sync=SimpleNamespace(state_hash=""), healing=SimpleNamespace(downloads=0),
+                             events=SimpleNamespace(write=lambda *a, **k: None), compute=ThreadCompute(),
+                             should_stop=lambda: False)
+    result = asyncio.run(exchange._exchange([torch.zeros(2)], tokens=10, epoch=1, inner_step=20)).result
+    assert (told, result.ok) == (([1], False) if len(others) == 1 else ([], True))
 
 
 @pytest.mark.parametrize("contribution", ["tokens", "per_step"])
