@@ -59,7 +59,7 @@ async def _serve(_dht: DHT, node: DHTNode, node_id: DHTID | None) -> bool:
     protocol = node.protocol
     if not protocol.client_mode:
         return False
-    node_id = node_id or node.node_id
+    node_id = node.node_id if node_id is None else node_id
     _take_id(node, node_id)
     await protocol.add_p2p_handlers(protocol.p2p, AuthRPCWrapper(protocol, AuthRole.SERVICER, protocol.authorizer))
     protocol.node_info = dht_pb2.NodeInfo(node_id=node_id.to_bytes())
