@@ -204,7 +204,7 @@ def test_a_hand_in_whose_proxy_averages_with_nobody_fails_and_says_so(dhts):
 @pytest.mark.light
 def test_a_proxy_that_runs_no_all_reduce_tells_the_peer_that_handed_in_at_once(dhts):
     """The proxy's gate found no other member (the peers that handed in to it were all the others): it runs no
-    all-reduce, and says so, where the peer that handed in waited out its fetch (120 s in a swarm of three) while the
+    all-reduce, and says so, where the peer that handed in waited out its fetch (126 s in a swarm of three) while the
     proxy waited for that peer's round to end."""
     nodes = dhts(2)
     proxy, slow = (RoundAverager(dht, SHAPES, "hand-in-none", CFG) for dht in nodes)
