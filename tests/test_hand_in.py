@@ -135,6 +135,11 @@ def test_a_peer_hands_in_only_when_much_slower_than_the_others_and_two_of_them_a
     assert pace.proxies([record("a", 0.1), record("b", 0.1, epoch=1)], "me", 3, 4.0) == []  # rounds behind
     assert pace.proxies([record("a", 0.1), record("b", 0.1, hands_to="x")], "me", 3, 4.0) == []  # slow too
     assert Pace(inner_steps=20, timed=False).proxies(fast, "me", 3, 4.0) == []  # fixed H: everyone averages
+    # a peer that would hand in itself is no member: a proxy must keep one member besides itself
+    assert pace.proxies([record("a", 0.1), record("b", 0.5), record("c", 0.12)], "me", 3, 4.0) == ["a", "c"]
+    two_slow = Pace(inner_steps=20, timed=True)
+    two_slow.step_seconds = 0.13  # 1.3x "a": over a threshold of 1.2, as "b" is
+    assert two_slow.proxies([record("a", 0.1), record("b", 0.6)], "me", 3, 1.2) == []  # "a" alone would be left
 
 
 @pytest.mark.slow

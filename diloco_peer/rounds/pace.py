@@ -127,7 +127,15 @@ class Pace:
                   and not r.hands_to and r.step_seconds is not None]
         if len(others) < 2 or self.step_seconds <= slower_than * statistics.median_low(r.step_seconds for r in others):
             return []
-        return [r.peer_id for r in sorted(others, key=lambda r: (r.step_seconds, r.peer_id))]
+        # the members: the others that this rule, applied from their side, keeps in the all-reduce. Peers decide at
+        # once, each seeing the others as members: two that both handed in to one proxy left it nobody to average
+        # with (a fast peer over the threshold of a test, beside the slow one)
+        paces = {r.peer_id: r.step_seconds for r in others} | {own: self.step_seconds}
+        members = [r for r in others if r.step_seconds <= slower_than * statistics.median_low(
+            seconds for peer, seconds in paces.items() if peer != r.peer_id)]
+        if len(members) < 2:
+            return []
+        return [r.peer_id for r in sorted(members, key=lambda r: (r.step_seconds, r.peer_id))]
 
     def planned_steps(self, budget: float | None) -> int:
         """The inner steps a round of ``budget`` seconds should hold here: H at most, one at least (H where we have
