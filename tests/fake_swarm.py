@@ -72,8 +72,9 @@ class Hub:
     """One group per epoch: the token-weighted mean of what its members send."""
 
     script: dict[tuple[int, str], str] = field(default_factory=dict)
-    """(epoch, peer name) -> "fail" (its all-reduce fails), "partial" (half its vector keeps its own values) or
-    "group:NAME" (it averages in a group of that name, apart from the others: a split)."""
+    """(epoch, peer name) -> "fail" (its all-reduce fails), "partial" (half its vector keeps its own values),
+    "group:NAME" (it averages in a group of that name, apart from the others: a split) or "late:SECONDS" (its
+    all-reduce ends that much after the others', as on a loaded machine)."""
     means: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     """The group's mean of each epoch, as computed."""
     wait: float = 0.5
@@ -99,6 +100,8 @@ class Hub:
         if self.script.get((epoch, name)) == "partial":  # a reducer died: its span keeps our own values
             averaged[0] = tensors[0].clone()
             lost = tensors[0].numel()
+        if tag.startswith("late:"):
+            await asyncio.sleep(float(tag.removeprefix("late:")))
         return RoundResult(ok=True, averaged=averaged, group_size=len(group), group_epochs=[epoch] * len(group),
                            sent_norm=float(torch.cat([t.flatten() for t in tensors]).norm()), values_not_averaged=lost)
 

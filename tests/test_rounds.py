@@ -23,7 +23,7 @@ from diloco_peer.config import AveragingConfig, OuterConfig
 from diloco_peer.config.faults import Faults
 from diloco_peer.rounds.exchange import RoundExchange
 from diloco_peer.rounds.outcome import Exchange, decide
-from diloco_peer.rounds.pace import MAX_SPREAD, Pace
+from diloco_peer.rounds.pace import MAX_CUT, MAX_SPREAD, Pace
 from diloco_peer.rounds.schedule import Blocking, Overlapped
 from diloco_peer.swarm.progress import ALL_READY, ReadyDecision
 from diloco_peer.swarm.progress_record import ProgressRecord
@@ -233,6 +233,38 @@ def test_rounds_bounded_by_time_give_a_slow_peer_fewer_steps_and_nobody_waits(tm
     for peer in (a, b):  # the LR schedule is at the round's end whatever the steps
         assert [r.inner_step for r in peer.records] == [20 * r.round for r in peer.records]
     assert same(a.outer.params, b.outer.params)
+
+
+def test_a_peer_that_begins_its_round_late_trains_less_and_nobody_waits_for_it(tmp_path):
+    """b's all-reduces end 0.1 s after a's (a loaded machine: 32 peers' rounds began up to 15 s apart), in rounds of
+    ~0.3 s. From the second round (the first measured), b cuts its training by as much as it began after a, and both
+    come to the gate together: a trains H steps and does not wait for b."""
+    cfg = OuterConfig(inner_steps=10, round_length="time")
+    swarm = FakeSwarm(tmp_path, cfg)
+    a = swarm.add("a", target=1.0, step_seconds=0.03)
+    b = swarm.add("b", target=3.0, step_seconds=0.03)
+    swarm.hub.script.update({(epoch, "b"): "late:0.1" for epoch in range(4)})
+    swarm.run(5)
+    assert outcomes(a) == outcomes(b) == ["averaged"] * 5
+    late = b.records[1:5]  # the rounds trained after a late all-reduce
+    assert all(r.late_seconds is not None and 0.07 < r.late_seconds < 0.2 for r in late), late
+    assert all(r.inner_steps < 10 for r in late) and all(r.inner_steps == 10 for r in a.records), late
+    waits = sorted(r.wait_seconds for r in a.records[1:5])
+    assert waits[1] < 0.05, waits  # (b's 0.1 s: a waited for it, before)
+    assert a.records[-1].late_seconds is None and same(a.outer.params, b.outer.params)
+
+
+def test_a_late_start_is_cut_from_the_budget_by_the_rounds_first_start_and_bounded():
+    pace = Pace(inner_steps=10, timed=True)
+    first, second = _record("first", training_round=3, round_started=100.0), _record("second", training_round=3,
+                                                                                      round_started=101.0)
+    assert pace.late([first, second], own="me", training_round=3, started=102.5, budget=10.0) == 2.5
+    assert pace.late([second], own="me", training_round=3, started=100.5, budget=10.0) == 0.0  # we began first
+    other_round = _record("other", training_round=2, round_started=50.0)  # (no start said: nothing)
+    assert pace.late([other_round, _record("quiet")], own="me", training_round=3, started=102.5, budget=10.0) == 0.0
+    liar = _record("liar", training_round=3, round_started=0.0)
+    assert pace.late([liar, first], own="me", training_round=3, started=102.5, budget=10.0) == MAX_CUT * 10.0
+    assert Pace(inner_steps=10, timed=False).late([first], own="me", training_round=3, started=102.5, budget=1) == 0
 
 
 def test_the_pace_of_a_round_bounded_by_time():

@@ -79,6 +79,9 @@ class RoundExchange:
         """Seconds the last ``collect`` waited for its exchange to end, less the time it handed in (``_hand_in``)."""
         self.handing_seconds = 0.0
         """Seconds the exchange launched last spent handing our pseudo-gradient in (``_hand_in``): our work."""
+        self.ended_at: float | None = None
+        """When (wall clock) the exchange collected last ended: in blocking rounds, where the round's next one begins
+        as the others count it (``Pace.late``)."""
         self.records: list[ProgressRecord] = []
         """The swarm's records as the last gate saw them (the pace of rounds bounded by time is read from them)."""
 
@@ -101,6 +104,7 @@ class RoundExchange:
         except Exception as e:  # e.g. the DHT failed to store our record: never fatal
             exchange = Exchange(ReadyDecision(1, 1, 0.0, "error"), RoundResult(False, error=f"{type(e).__name__}: {e}"))
         self.pending = None
+        self.ended_at = time.time()
         self.waited = max(0.0, time.perf_counter() - started - self.handing_seconds)
         return exchange
 

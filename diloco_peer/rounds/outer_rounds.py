@@ -18,6 +18,7 @@ are not the swarm's heals by state sync (``healing.py``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -136,7 +137,8 @@ class OuterRounds:
         # a peer with time for H steps is the pace (or ties it): it trains H, whatever this round's noise; one that
         # has not measured its steps yet (a newcomer) goes a step at a time, cut by the time its steps take
         measured = self.pace.step_seconds is not None
-        clock = RoundClock(budget if planned < H or not measured else None, self.pace.step_seconds, trainer)
+        clock = RoundClock(budget, self.pace.step_seconds, trainer, bounded=planned < H or not measured)
+        late = asyncio.create_task(self._started(epoch, clock)) if budget is not None else None
         chunk = max(1, planned // PROGRESS_EVENTS_PER_ROUND) if measured or budget is None else 1
         arrival = self.schedule.arrival
         arrived = arrival.due if arrival is not None else lambda: False
@@ -159,8 +161,30 @@ class OuterRounds:
         self.shown.end()
         if not self.should_stop():
             trainer.step = end  # (a few steps short of the budget, or the stride's rounding: the round's end)
+        cut = late.result() if late is not None and late.done() else 0.0
+        if late is not None:
+            late.cancel()
         return InnerResult(steps=steps, tokens=tokens, compute_seconds=seconds,
-                           train_loss=weighted_loss / max(steps, 1))
+                           train_loss=weighted_loss / max(steps, 1), late_seconds=cut)
+
+    async def _started(self, training_round: int, clock: RoundClock) -> float:
+        """Our round's start goes into our record, then we read when the round's other peers began theirs: as much
+        as we began later than the first of them is cut from our training (``Pace.late``). It runs while the first
+        steps train; the seconds cut.
+
+        A blocking round begins where the last one's all-reduce ended: the outer step and the eval that follow are
+        our round's work, which our budget has left out already (a slow peer's are long, and counted twice they cut
+        it short). Otherwise (overlapped, the first round, after healing) it begins now."""
+        exchange = self.exchange
+        blocking_end = not self.schedule.lag and not self.healed and exchange.ended_at is not None
+        started = exchange.ended_at if blocking_end else time.time()
+        try:
+            await self.progress.publish(training_round=training_round, round_started=started)
+            records = await self.progress.swarm_records()
+        except Exception as e:  # a flaky DHT costs the cut, never the round
+            logger.debug(f"{self.name}: could not read the round's starts: {e}")
+            return 0.0
+        return clock.cut(self.pace.late(records, self.progress.record.peer_id, training_round, started, clock.budget))
 
     def _observe(self, record: RoundRecord) -> None:
         """A round's work outside training and waiting goes into our record (published with the next store): rounds
@@ -279,5 +303,5 @@ class OuterRounds:
             compute_seconds=inner.compute_seconds, train_loss=inner.train_loss, eval_loss=eval_loss,
             inner_lr=self.trainer.current_lr(), outer_lr=self.outer_lr, inner_step=self.trainer.step,
             param_sha256=self.sync.state_hash, inner_steps=inner.steps,
-            arrived_step=arrival.step if arrival is not None else None)
+            arrived_step=arrival.step if arrival is not None else None, late_seconds=round(inner.late_seconds, 3) or None)
 

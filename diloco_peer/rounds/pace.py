@@ -15,6 +15,12 @@ or leaves it behind (its compute is thrown away). ``outer.round_length = "time"`
 - A claim is bounded: a period under ``1 / MAX_SPREAD`` of the peers' median counts as that, so one peer that
   claims to be a thousand times faster cannot shrink everyone's rounds to one step.
 
+Every peer counts its budget from its own start, and on a loaded machine (or behind a slow link) the peers of a
+round begin it seconds apart: their all-reduces end apart. A peer that began its round after the round's first peer
+did cuts its training by as much (``Pace.late``), so that the round's peers still reach the gate together: the late
+one trains less, where otherwise everyone else would wait for it (32 peers on two cores: rounds began up to 15 s apart
+and the first to arrive left without the last).
+
 A newcomer (nothing measured yet) trains for the swarm's period too, cut by the time its steps take (``Pace.budget``);
 only the swarm's first round, which nobody has measured, trains H steps. ``outer.round_length = "steps"`` trains H
 every round, as the DiLoCo paper does. How contributions of unequal steps are weighted:
@@ -38,6 +44,10 @@ LATE_SLACK = 0.5
 OVERRUN = 0.05
 """The most of its budget a round may overrun to fit one more inner step (half a step at most): a slow peer's half step
 was a large part of the fast peers' round, which they spent at the gate waiting for it (``overrun``)."""
+
+MAX_CUT = 0.5
+"""The most of its budget a late start cuts (``Pace.late``): a record that says its peer began long before us (a liar,
+a clock that is off) cannot shrink our round to nothing."""
 
 
 class Pace:
@@ -137,6 +147,18 @@ class Pace:
             return []
         return [r.peer_id for r in sorted(members, key=lambda r: (r.step_seconds, r.peer_id))]
 
+    def late(self, records: list[ProgressRecord], own: str, training_round: int, started: float,
+             budget: float) -> float:
+        """Seconds to cut from our ``budget`` for round ``training_round``, which we began at ``started`` (wall clock):
+        how much later than the first of the round's other peers (their ``round_started``) we began, ``MAX_CUT`` of the
+        budget at most. ``records``: the ones we trust. A start after ours is not a reason for us to wait: that
+        peer cuts its own round."""
+        starts = [r.round_started for r in records if r.peer_id != own and r.training_round == training_round
+                  and r.round_started is not None and r.round_started <= started]
+        if not self.timed or not starts:
+            return 0.0
+        return min(started - min(starts), MAX_CUT * budget)
+
     def planned_steps(self, budget: float | None) -> int:
         """The inner steps a round of ``budget`` seconds should hold here: H at most, one at least (H where we have
         not measured our steps yet: the time cuts the round)."""
@@ -147,12 +169,18 @@ class Pace:
 
 class RoundClock:
     """When a round bounded by time is over: once its next inner step would end past the budget by more than
-    ``overrun`` allows, one step at least (``budget`` None: never, the round is H steps). It counts the time in inner
-    steps, not the hops between chunks of them (those are the round's other work, which the budget has left out
-    already). ``trainer``'s LR position says when the first step is done."""
+    ``overrun`` allows, one step at least. It counts the time in inner steps, not the hops between chunks of them
+    (those are the round's other work, which the budget has left out already). ``trainer``'s LR position says when
+    the first step is done.
 
-    def __init__(self, budget: float | None, step_seconds: float | None, trainer: Trainer):
+    :param budget: our seconds of training in the round (None: H steps, not a time)
+    :param bounded: whether the budget ends the round (else the planned steps do: a peer with time for H steps trains
+        H, whatever this round's noise), until a late start cuts it (``cut``)
+    """
+
+    def __init__(self, budget: float | None, step_seconds: float | None, trainer: Trainer, bounded: bool = True):
         self.budget = budget
+        self.bounded = bounded and budget is not None
         self.step_seconds = step_seconds
         """Our seconds per inner step, lately (None: not measured yet; the steps of this round tell)."""
         self.trainer = trainer
@@ -160,6 +188,16 @@ class RoundClock:
         self.trained = 0.0
         self.steps = 0
         self.chunk_started: float | None = None
+
+    def cut(self, seconds: float) -> float:
+        """We began the round ``seconds`` after its first peer (``Pace.late``): it ends that much earlier for us. A
+        cut under half a step changes nothing (the overrun covers it), and leaves a peer that trains H steps
+        unbounded. The seconds cut (0: none)."""
+        if self.budget is None or seconds < 0.5 * (self.step_seconds or 0.0) or seconds <= 0:
+            return 0.0
+        self.budget -= seconds  # (the compute thread reads it between two steps: one float, written once)
+        self.bounded = True
+        return seconds
 
     def chunk_starts(self) -> None:
         self.chunk_started = time.monotonic()
@@ -170,7 +208,7 @@ class RoundClock:
         self.chunk_started = None
 
     def overdue(self) -> bool:
-        if self.budget is None or self.trainer.position <= self.first:
+        if not self.bounded or self.trainer.position <= self.first:
             return False
         running = time.monotonic() - self.chunk_started if self.chunk_started is not None else 0.0
         step = self.step_seconds or (self.trained / self.steps if self.steps else running)

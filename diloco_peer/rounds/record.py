@@ -18,6 +18,8 @@ class InnerResult:
     compute_seconds: float
     train_loss: float
     """Mean training loss over the round's steps."""
+    late_seconds: float = 0.0
+    """Seconds cut from the round's training: we began it after the round's first peer (``Pace.late``)."""
 
 
 @dataclass
@@ -63,6 +65,9 @@ class RoundRecord:
     arrived_step: int | None = None
     """Overlapped, ``outer.apply_on_arrival``: the inner step of the next round at which this round's average
     reached the replica (``arrival.py``); None (absent from the event): at the end of that round."""
+    late_seconds: float | None = None
+    """Seconds cut from this round's training because this peer began it after the round's first peer
+    (``Pace.late``); None (absent from the event): no cut."""
     first_contribution_seconds: float | None = None
     """Set on the first round this peer averaged with others: seconds from process start."""
 

@@ -50,6 +50,13 @@ class ProgressRecord(BaseModel):  # pydantic v1: hivemind's SchemaValidator spea
     work_seconds: confloat(ge=0, le=MAX_SECONDS, strict=True) | None = None
     """Seconds of each round this peer spends neither training nor waiting for others (its outer step, eval,
     records), lately."""
+    training_round: conint(ge=0, strict=True) | None = None
+    """The round whose inner steps this peer trains now or trained last, counted as the inner LR schedule counts it
+    (its steps are ``training_round * H`` on): the same number for every peer of a round, in either schedule."""
+    round_started: confloat(ge=0, strict=True) | None = None
+    """When this peer's round ``training_round`` began (wall clock, as ``time``): where its last all-reduce ended
+    (blocking rounds), else where its inner steps began. A peer that began later than the round's first cuts its
+    training by as much, so that it reaches the gate with the others (``Pace.late``)."""
     hands_to: constr(max_length=64, strict=True) = ""
     """The peer (base58) this one handed its pseudo-gradient of ``epoch`` in to, once ready, instead of joining the
     all-reduce (a peer too slow for it: ``averaging/hand_in.py``); "" if it averages as a member. No gate counts it in
