@@ -270,12 +270,12 @@ class PeerDaemon:
         leaving = time.monotonic()
         if self.progress is not None:
             # a DHT store can wait out RPC timeouts to peers that just died; never longer than this,
-            # since an unwithdrawn record expires by itself after three heartbeats anyway
+            # since an unwithdrawn record expires by itself anyway
             try:
                 await asyncio.wait_for(self.progress.withdraw(), timeout=WITHDRAW_TIMEOUT)
             except TimeoutError:
                 logger.warning(f"could not withdraw our progress record within {WITHDRAW_TIMEOUT:g}s; "
-                               f"it expires by itself within {3 * cfg.averaging.heartbeat:g}s")
+                               f"it expires by itself within {self.progress.time_to_live():.0f}s")
         await watch.close()
         if self.averager is not None:  # (overlapped rounds: the last round's exchange runs while we train)
             bound = min(cfg.averaging.allreduce_timeout, cfg.run.shutdown_grace / 3)

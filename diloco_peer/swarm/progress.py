@@ -3,8 +3,9 @@
 Each peer publishes a small record under ``{run_id}_progress``, in a subkey that carries its RSA public
 key and a signature (hivemind's ``RSASignatureValidator``): nobody can write or delete another peer's
 record. A ``SchemaValidator`` rejects records of the wrong shape. Records are republished every
-``heartbeat`` seconds and expire after three heartbeats (a gate counts them one more: ``swarm_records``), so a
-peer that vanishes drops out on its own; a peer that leaves cleanly withdraws its record at once.
+``heartbeat`` seconds and expire after three heartbeats, and twice the time the peer's stores take lately
+(``time_to_live``; a gate counts them one heartbeat more: ``swarm_records``), so a peer that vanishes drops out on
+its own; a peer that leaves cleanly withdraws its record at once.
 
 The daemon uses the records to start a round only when the peers of its epoch are ready: the first
 round waits for ``min_peers`` (so the swarm does not split into solo learners while it starts), later
@@ -135,7 +136,8 @@ class SwarmProgress:
     :param dht: the running DHT
     :param run_id: the run's name; records live under ``{run_id}_progress``
     :param peer_id: our peer id (base58), stored in the record for humans and the monitor
-    :param heartbeat: seconds between republications; records expire after ``3 * heartbeat``
+    :param heartbeat: seconds between republications; records expire after ``3 * heartbeat`` (and our stores'
+      latency: ``time_to_live``)
     :param faults: fault injection, for the tests only (``lie_epoch``: publish that epoch instead of ours)
     """
 
@@ -161,6 +163,8 @@ class SwarmProgress:
     SLOW_POLL_MAX_SECONDS = 5.0
     """The longest wait between two slow polls: a gate leaves its stragglers (``averaging.ready_timeout``) at most
     this late."""
+    STORES_REMEMBERED = 5
+    """Our last stores whose time the next ones' time to live allows for (``time_to_live``)."""
     NUDGE_GAP = 0.005
     """The shortest wait between two reads, however often the gate is nudged."""
 
@@ -174,6 +178,8 @@ class SwarmProgress:
         self.record = ProgressRecord(peer_id=peer_id, epoch=0, inner_step=0, tokens=0, ready=False, joined=False,
                                      time=time.time())
         self._heartbeat_task: asyncio.Task | None = None
+        self._store_seconds: collections.deque[float] = collections.deque(maxlen=self.STORES_REMEMBERED)
+        """How long our last stores took (``time_to_live``)."""
         self._entries: dict[bytes, tuple[ProgressRecord | None, float]] = {}  # (swarm_records)
         self._banned: dict[str, float] = {}
         """Peer id -> ``time.monotonic()`` at which its ban ends."""
@@ -199,10 +205,20 @@ class SwarmProgress:
     async def _store(self, value) -> None:
         if value is not None and self.faults.lie_epoch is not None:
             value = {**value, "epoch": self.faults.lie_epoch, "round": self.faults.lie_epoch}
-        ok = await hivemind_calls.call(self.dht.store, self.key, value, get_dht_time() + 3 * self.heartbeat,
+        started = time.monotonic()
+        ok = await hivemind_calls.call(self.dht.store, self.key, value, get_dht_time() + self.time_to_live(),
                                        subkey=self.subkey, timeout=progress_store.DHT_CALL_TIMEOUT)
+        self._store_seconds.append(time.monotonic() - started)
         if not ok:
             logger.debug("progress record was not stored by any DHT node (alone in the swarm?)")
+
+    def time_to_live(self) -> float:
+        """Seconds our record lives from the moment we store it: 3 heartbeats, and twice the time our last stores
+        took. A store lands that late, and the heartbeat's next one a heartbeat and a store after it: on a loaded
+        machine, where a store takes longer than two heartbeats, a record that lived 3 heartbeats from its call
+        expired before the next one landed, and the gates counted fewer peers than were there (32 peers on two
+        cores: BENCHMARKS.md, "Many peers"). A dead peer is counted that much longer."""
+        return 3 * self.heartbeat + 2 * max(self._store_seconds, default=0.0)
 
     async def swarm_records(self) -> list[ProgressRecord]:
         """Live records of all peers we trust, ours as it is now (not as the DHT last saw it).
