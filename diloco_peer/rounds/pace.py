@@ -18,8 +18,8 @@ or leaves it behind (its compute is thrown away). ``outer.round_length = "time"`
 Every peer counts its budget from its own start, and on a loaded machine (or behind a slow link) the peers of a
 round begin it seconds apart: their all-reduces end apart. A peer that began its round after the round's first peer
 did cuts its training by as much (``Pace.late``), so that the round's peers still reach the gate together: the late
-one trains less, where otherwise everyone else would wait for it (32 peers on two cores: rounds began up to 15 s apart
-and the first to arrive left without the last).
+one trains less, where otherwise everyone else would wait for it (and with many peers on a loaded machine the first
+to arrive left before the last came: BENCHMARKS.md, "Many peers").
 
 A newcomer (nothing measured yet) trains for the swarm's period too, cut by the time its steps take (``Pace.budget``);
 only the swarm's first round, which nobody has measured, trains H steps. ``outer.round_length = "steps"`` trains H
