@@ -8,7 +8,7 @@ import time
 import pytest
 
 from diloco_peer.averaging import member_silence
-from diloco_peer.averaging.member_silence import MemberSilent, SilenceWatch
+from diloco_peer.averaging.member_silence import MemberSilent, Patience, SilenceWatch
 
 
 @pytest.fixture(autouse=True)
@@ -16,10 +16,13 @@ def quick(monkeypatch):
     monkeypatch.setattr(member_silence, "SILENT_AFTER", 0.2)
     monkeypatch.setattr(member_silence, "PROBE_TIMEOUT", 0.3)
     monkeypatch.setattr(member_silence, "WATCH_EVERY", 0.02)
+    monkeypatch.setattr(member_silence, "SILENT_PER_MEMBER", 0.01)
+    monkeypatch.setattr(member_silence, "PROBE_PER_MEMBER", 0.03)
 
 
-def _watch(answer, waited_on=("a",)):
-    """A watch over ``waited_on`` whose question to a member is ``answer(peer)``; returns it and the dropped."""
+def _watch(answer, waited_on=("a",), members=0):
+    """A watch over ``waited_on`` (in a group of ``members``) whose question to a member is ``answer(peer)``; returns
+    it and the dropped."""
     dropped, asked = [], []
 
     async def ask(peer):
@@ -29,7 +32,7 @@ def _watch(answer, waited_on=("a",)):
     async def on_silent(peer):
         dropped.append(peer)
 
-    return SilenceWatch(ask, lambda: set(waited_on), on_silent), dropped, asked
+    return SilenceWatch(ask, lambda: set(waited_on), on_silent, Patience(members)), dropped, asked
 
 
 async def _never(peer):
@@ -71,6 +74,28 @@ def test_a_quiet_member_that_answers_is_waited_for(answer):
     result, dropped, asked = asyncio.run(scenario())
     assert result == "done" and dropped == []
     assert len(asked) >= 3, asked  # asked again after each further SILENT_AFTER of quiet
+
+
+@pytest.mark.parametrize("members", [3, 32])
+def test_a_large_group_waits_longer_for_an_answer(members):
+    """A member that answers after 0.5 s: past the probe timeout of a small group (0.3 s), within a group of 32's (0.96
+    s): on one loaded machine, a member answers behind its work for every other member of the group."""
+    async def late(peer):
+        await asyncio.sleep(0.5)
+
+    async def scenario():
+        watch, dropped, asked = _watch(late, members=members)
+        watch.start()
+        try:
+            await watch.unless_silent("a", asyncio.sleep(1.5))
+        except MemberSilent:
+            pass
+        watch.stop()
+        return dropped
+
+    dropped = asyncio.run(scenario())
+    assert dropped == (["a"] if members == 3 else []), dropped
+    assert Patience(32).silent_after == pytest.approx(0.32) and Patience(3).silent_after == 0.2
 
 
 def test_a_member_whose_messages_come_while_it_is_asked_is_not_silent():

@@ -46,7 +46,7 @@ from ..swarm.p2pd_internals import HANG_UP_WAIT, until_the_caller_hangs_up
 from . import hivemind_internals as internals
 from .compression import deserialize
 from .delayed_results import replies_after_sending
-from .member_silence import SilenceWatch
+from .member_silence import Patience, SilenceWatch
 from .robust_aggregation import BadContribution, CheckedPartReducer, Limits, check_average
 from .traffic import RECEIVED, RELAYED, SENT, CountingStub
 
@@ -92,7 +92,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._replying: Counter[PeerID] = Counter()  # reply streams to each member still open (bytes not all counted)
         self._awaiting: set[PeerID] = set()  # reducers whose averages we wait for
         self._delivered: set[PeerID] = set()  # senders whose every part reached us
-        self._silence = SilenceWatch(self._ask_still_there, self._waited_on, self._drop_silent)
+        self._silence = SilenceWatch(self._ask_still_there, self._waited_on, self._drop_silent,
+                                     Patience(len(self.ordered_peer_ids)))
         self._disputed: list[tuple[PeerID, BadContribution]] = []  # reducers whose averages we refused by direction
         self._agreed: set[PeerID] = set()  # reducers (not us) whose every average passed our checks
         self._replies_done = asyncio.Event()
