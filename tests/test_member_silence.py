@@ -1,5 +1,6 @@
 """Telling a silent member from a slow one (``averaging/member_silence.py``), on the watch alone: a member is
-dropped only when it said nothing for ``SILENT_AFTER`` and then answered nothing within ``PROBE_TIMEOUT``.
+dropped only when it said nothing for ``SILENT_AFTER`` and then answered nothing within ``PROBE_TIMEOUT`` (both
+longer in a large group: ``Patience``).
 The whole path, on a real group whose member freezes, is in test_averaging_round.py."""
 
 import asyncio
