@@ -10,11 +10,12 @@ before it sends").
 
 Silence alone proves nothing: a reducer says nothing until every sender's part is in, and a member on a slow uplink
 may take seconds between two messages to us. So a member we wait on that has said nothing for ``SILENT_AFTER``
-seconds (more in a large group: ``Patience``) is asked, on a stream of its own, whether it is still there (``rpc_still_there``, which its averager answers
-at once: ``member_news.py``). A member that answers, or whose parts come in meanwhile, is waited for as before,
-hivemind's timeouts still bounding the wait; one that answers nothing within ``PROBE_TIMEOUT`` (more in a large
-group) is silent: dropped from the round at once, as a member that crashed would be. Only a question that goes unanswered counts: an error is
-an answer (a peer of an older version, without this call, gets the old timeouts).
+seconds (more in a large group: ``Patience``) is asked, on a stream of its own, whether it is still there
+(``rpc_still_there``, which its averager answers at once: ``member_news.py``). A member that answers, or whose parts
+come in meanwhile, is waited for as before, hivemind's timeouts still bounding the wait; one that answers nothing
+within ``PROBE_TIMEOUT`` (more in a large group) is silent: dropped from the round at once, as a member that crashed
+would be. Only a question that goes unanswered counts: an error is an answer (a peer of an older version, without
+this call, gets the old timeouts).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ SILENT_PER_MEMBER = 0.1
 PROBE_PER_MEMBER = 0.5
 """Seconds of ``PROBE_TIMEOUT`` per member of the group, past 10 members."""
 
+logger = logging.getLogger(__name__)
+
 
 class Patience:
     """How long a member may be quiet, and take to answer, in a group of ``members``: ``SILENT_AFTER`` and
@@ -47,8 +50,6 @@ class Patience:
     def __init__(self, members: int = 0):
         self.silent_after = max(SILENT_AFTER, SILENT_PER_MEMBER * members)
         self.probe_timeout = max(PROBE_TIMEOUT, PROBE_PER_MEMBER * members)
-
-logger = logging.getLogger(__name__)
 
 
 class MemberSilent(Exception):
