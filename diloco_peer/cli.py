@@ -208,8 +208,9 @@ def _add_simulate(sub) -> None:
     _add_config_args(sim)
     sim.add_argument("--replicas", type=_COUNT, default=4, help="K, the number of DiLoCo replicas (default 4)")
     sim.add_argument("--rounds", type=_COUNT, default=10, help="outer rounds of H inner steps (default 10)")
-    sim.add_argument("--codec", default="none", choices=["none", "fp16", "bf16", "int8", "int4"],
-                     help="pseudo-gradient codec on the (simulated) wire (default none)")
+    sim.add_argument("--codec", default="none", choices=["none", "fp16", "bf16", "int8", "int4", "topk"],
+                     help="pseudo-gradient codec on the (simulated) wire (default none; topk: the config's "
+                          "averaging.topk_density and topk_bits, always with error feedback)")
     sim.add_argument("--overlap", default="blocking", choices=["blocking", "eager", "delayed"],
                      help="blocking, eager or delayed: average round t while round t+1 trains (default blocking)")
     sim.add_argument("--error-feedback", action="store_true",

@@ -175,19 +175,23 @@ def test_fragments_are_consecutive_tensors_of_about_equal_size():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap", ["blocking", "eager"])
-def test_a_swarm_computes_exactly_what_the_simulator_computes(local_swarm, overlap):
+@pytest.mark.parametrize("overlap, codec", [("blocking", "topk"), ("eager", "int8")])
+def test_a_swarm_computes_exactly_what_the_simulator_computes(local_swarm, overlap, codec):
     """The proof that the distributed system computes DiLoCo and nothing else: a real swarm of 2 peers and the
     in-process simulator, same config, seeds and shards, agree on the outer weights after every round. With
-    what makes it hard: int8 pseudo-gradients (lossy: every contribution must be rounded alike), unequal token
-    weights (the peers' batch sizes differ), 3 rounds (the outer momentum of the earlier ones), and a round
-    that fails for one peer (round 2: peer a refuses the average b applied and takes b's state instead, which
-    must leave no trace). Eager overlap too: there the outer weights of epoch r are what the simulator holds
-    after round r + 1 (the average of round r is applied at the end of the next one), and each peer's replica
-    took that average at the inner step of round r + 1 its ``round`` event names (``arrived_step``), which the
-    simulator is told."""
+    what makes it hard: lossy pseudo-gradients (every contribution must be rounded alike), unequal token
+    weights (the peers' batch sizes differ), 3 rounds (the outer momentum or the error feedback of the earlier
+    ones), and a round that fails for one peer (round 2: peer a refuses the average b applied and takes b's state
+    instead, which must leave no trace but its error feedback's, which goes back to before the round and stays
+    through the state sync). Blocking rounds send sparse pseudo-gradients (``topk``, SparseLoCo's recipe: error
+    feedback decayed, what the reducers' replies drop of ours back into it, a plain outer SGD step); eager ones
+    int8. There the outer weights of epoch r are what the simulator holds after round r + 1 (the average of
+    round r is applied at the end of the next one), and each peer's replica took that average at the inner step of
+    round r + 1 its ``round`` event names (``arrived_step``), which the simulator is told."""
     rounds, batches = 3, (8, 4)
-    common = [f"outer.overlap={overlap}", "averaging.compression=int8", "checkpoint.keep=10",
+    recipe = ["averaging.feedback_decay=0.95", "outer.lr=1.0", "outer.momentum=0.0", "outer.nesterov=false"]
+    common = [f"outer.overlap={overlap}", f"averaging.compression={codec}", *(recipe if codec == "topk" else []),
+              "checkpoint.keep=10",
               "data.num_shards=2", f"run.max_rounds={rounds}", "averaging.ready_timeout=10.0",
               # every round must be averaged by both peers: matchmaking gets more slack than FAST gives (on a
               # loaded machine a 1 s request timeout can make one peer give up on a group the other one formed)
@@ -225,7 +229,9 @@ def test_a_swarm_computes_exactly_what_the_simulator_computes(local_swarm, overl
         if rnd in swarm:
             diffs[rnd] = _mean_abs_difference(params, swarm[rnd])
 
-    run_diloco(cfg, 2, rounds + lag, codec="int8", overlap=overlap, on_round=compare, inner=inner, arrival=arrival)
+    refusals = frozenset({(2, 0)})  # peer a, replica 0, refused round 2
+    run_diloco(cfg, 2, rounds + lag, codec=codec, overlap=overlap, on_round=compare, inner=inner, arrival=arrival,
+               refusals=refusals)
     assert sorted(diffs) == list(range(1 + lag, rounds + 1 + lag))
     # float summation order differs (the all-reduce sums parts, weighted by tokens): ~1e-8 after one round;
     # AdamW divides by sqrt(v) and magnifies it over the inner steps, and now and then it moves a value across an
@@ -235,7 +241,8 @@ def test_a_swarm_computes_exactly_what_the_simulator_computes(local_swarm, overl
     # and the comparison can tell DiLoCo variants apart: equal weights (both peers' batch) do not match
     other = {}
     first = 1 + lag
-    run_diloco(cfg, 2, first, codec="int8", overlap=overlap, inner=[inner[0], inner[0]], arrival=arrival,
+    run_diloco(cfg, 2, first, codec=codec, overlap=overlap, inner=[inner[0], inner[0]], arrival=arrival,
+               refusals=refusals,
                on_round=lambda rnd, params: rnd == first and other.update(d=_mean_abs_difference(params, swarm[first])))
     assert other["d"] > 20 * max(diffs.values()), (other, diffs)
     print(f"arrived at inner steps {arrival}, differences {diffs}")

@@ -41,7 +41,7 @@ from ..config.faults import NO_FAULTS, Faults
 from ..lifecycle import hivemind_calls
 from ..swarm.admission import Admission
 from ..training.outer_optimizer import flat_tensors, release_pages
-from .compression import ErrorFeedback, WireCompression, get_codec
+from .compression import Codec, ErrorFeedback, WireCompression, configured_codec
 from .handing_in import HandingIn
 from .hivemind_internals import keeping_our_sigint
 from .pseudo_gradient_averager import PseudoGradientAverager
@@ -49,9 +49,9 @@ from .robust_aggregation import BanList, Limits, vector_norm
 from .traffic import FAILED_VALUES, RECEIVED, RELAYED, SENT, TRANSFER_US
 
 
-def wire_compression(name: str) -> CompressionBase:
-    """The hivemind compression that sends pseudo-gradients as ``averaging.compression`` says."""
-    return {"none": NoCompression, "fp16": Float16Compression}.get(name, lambda: WireCompression(name))()
+def wire_compression(codec: Codec) -> CompressionBase:
+    """The hivemind compression that sends pseudo-gradients as ``codec`` encodes them (``configured_codec``)."""
+    return {"none": NoCompression, "fp16": Float16Compression}.get(codec.name, lambda: WireCompression(codec))()
 
 
 PEERS_PER_WINDOW = 4
@@ -125,7 +125,8 @@ class RoundAverager(HandingIn):
         self.relayed = relayed
         self.faults = faults
         self.peer_id = dht.peer_id.to_base58()
-        self.feedback = ErrorFeedback(get_codec(cfg.compression)) if cfg.error_feedback else None
+        self.codec = configured_codec(cfg)
+        self.feedback = ErrorFeedback(self.codec, cfg.feedback_decay) if cfg.error_feedback else None
         self._banned: dict[str, float] = {}  # peer id -> when its ban ends (time.monotonic), see banned()
         self._in_flight = False  # an all-reduce may be using the buffers: they must not be released
         self._control = None  # the last round's step in the averager process (hivemind's StepControl)
@@ -154,7 +155,7 @@ class RoundAverager(HandingIn):
                 sender_timeout=cfg.allreduce_timeout / 2,
                 reducer_timeout=cfg.allreduce_timeout * 0.75,
                 next_chunk_timeout=cfg.allreduce_timeout / 4,
-                compression=wire_compression(cfg.compression),
+                compression=wire_compression(self.codec),
                 part_size_bytes=cfg.part_size_bytes,
                 bandwidth=cfg.bandwidth or None,
                 shutdown_timeout=5,
@@ -226,9 +227,13 @@ class RoundAverager(HandingIn):
             pseudo_gradient, _ = self.feedback.roundtrip(pseudo_gradient)
         self._in_flight = True
         try:
-            return await self._average(pseudo_gradient, weight, epoch, expected, nudge, step_seconds, started, before)
+            result = await self._average(pseudo_gradient, weight, epoch, expected, nudge, step_seconds, started,
+                                         before)
         finally:
             self._in_flight = False
+        if result.ok and self.feedback is not None:  # what the replies dropped of ours goes back (a sparse codec)
+            self.feedback.settle(result.averaged)
+        return result
 
     async def _average(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int, expected: int | None,
                        nudge: list[str], step_seconds: float | None, started: float,
@@ -327,11 +332,6 @@ class RoundAverager(HandingIn):
         if self.feedback is not None:
             self.feedback.undo()
         self.release_average()
-
-    def reset_feedback(self) -> None:
-        """Forget the error-feedback residual (after a state sync replaced the weights it belonged to)."""
-        if self.feedback is not None:
-            self.feedback.residuals = None
 
     async def finish_allreduce(self, timeout: float) -> float:
         """Leaving: give an all-reduce that is exchanging tensors right now ``timeout`` seconds to end, so that

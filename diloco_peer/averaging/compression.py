@@ -13,6 +13,9 @@
   This is INTELLECT-1's choice for pseudo-gradients.
 - ``int4``: the same with 15 levels (-7..7), two values per byte: error <= absmax(block) / 14,
   ~0.504 bytes per value (Streaming DiLoCo's 4-bit setting).
+- ``topk``: sparse: the largest ``density`` of every chunk of 4096 values, 2 or 4 bits each, with their places
+  (``sparse.py``). Most of a pseudo-gradient stays behind, so it needs error feedback; a reducer's reply keeps the
+  top of the average the same way, and what it dropped of ours goes back into our residual (``settle``).
 
 Per-block scales keep one large value (an outlier) from flattening every other value of the tensor
 to zero, which a single per-tensor scale would do. :class:`ErrorFeedback` carries what a lossy codec
@@ -34,6 +37,8 @@ import torch
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
+from . import sparse
+
 BLOCK = 1024
 
 
@@ -54,6 +59,14 @@ class Payload:
 
 class Codec:
     name = "none"
+    returns_dropped = False
+    """Whether what a reducer's reply drops of our values goes back into the error-feedback residual
+    (``ErrorFeedback.settle``): a sparse reply leaves most places out on purpose."""
+
+    @property
+    def wire_name(self) -> str:
+        """The name its encoding travels under (``WIRE_CODES``)."""
+        return self.name
 
     def encode(self, x: torch.Tensor) -> Payload:
         return Payload(x.detach().to(torch.float32).clone(), None, x.shape, x.numel())
@@ -106,30 +119,67 @@ class _BlockQuantCodec(Codec):
         return (values * p.scales[:, None]).flatten()[: p.numel].reshape(p.shape)
 
 
+class TopKCodec(Codec):
+    """The largest ``density`` of every chunk, ``bits`` bits a value (``sparse.py``)."""
+
+    name = "topk"
+    returns_dropped = True
+
+    def __init__(self, density: float = 0.02, bits: int = 2):
+        if not 0 < density <= 1 or bits not in sparse.BITS:
+            raise ValueError(f"a topk codec keeps a density in (0, 1] at {sparse.BITS} bits, not {density}, {bits}")
+        self.density = density
+        self.bits = bits
+
+    @property
+    def wire_name(self) -> str:
+        return f"topk{self.bits}"
+
+    def encode(self, x: torch.Tensor) -> Payload:
+        data, scales = sparse.encode(x.detach().to(torch.float32).flatten(), self.density, self.bits)
+        return Payload(data, scales, x.shape, x.numel())
+
+    def decode(self, p: Payload) -> torch.Tensor:
+        return sparse.decode(p.data, p.scales, p.numel, self.bits).reshape(p.shape)
+
+
 CODECS = {
     "none": Codec(),
     "fp16": _HalfCodec("fp16", torch.float16),
     "bf16": _HalfCodec("bf16", torch.bfloat16),
     "int8": _BlockQuantCodec("int8", 127, pack_nibbles=False),
     "int4": _BlockQuantCodec("int4", 7, pack_nibbles=True),
+    "topk": TopKCodec(),
 }
 
 
-def get_codec(name: str) -> Codec:
+def get_codec(name: str, density: float = 0.02, bits: int = 2) -> Codec:
+    """The codec ``name``; ``topk`` keeps ``density`` of every chunk at ``bits`` bits (the others ignore both)."""
     if name not in CODECS:
         from ..config import ConfigError
 
         raise ConfigError(f"unknown codec '{name}': use one of {', '.join(CODECS)}")
-    return CODECS[name]
+    return TopKCodec(density, bits) if name == "topk" else CODECS[name]
+
+
+def configured_codec(cfg) -> Codec:
+    """The codec an ``[averaging]`` section names, with its ``topk_density`` and ``topk_bits``."""
+    return get_codec(cfg.compression, cfg.topk_density, cfg.topk_bits)
 
 
 class ErrorFeedback:
-    """Carries each tensor's quantization residual into the next round: send codec(x + residual)."""
+    """Carries each tensor's quantization residual into the next round: send codec(x + decay * residual).
 
-    def __init__(self, codec: Codec):
+    :param decay: how much of the residual a round carries on (SparseLoCo's 0.95 forgets what stayed behind for
+      long; 1 loses nothing)
+    """
+
+    def __init__(self, codec: Codec, decay: float = 1.0):
         self.codec = codec
+        self.decay = decay
         self.residuals = None
         self._before: list[torch.Tensor] | None = None
+        self._sent: list[torch.Tensor] | None = None
 
     def roundtrip(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
         if self.residuals is None:
@@ -138,12 +188,22 @@ class ErrorFeedback:
         out = []
         total = 0
         for i, t in enumerate(tensors):
-            corrected = t.to(torch.float32) + self.residuals[i]
+            corrected = t.to(torch.float32) + self.decay * self.residuals[i]
             sent, size = self.codec.roundtrip(corrected)
             self.residuals[i] = corrected - sent
             out.append(sent)
             total += size
+        self._sent = out if self.codec.returns_dropped else None
         return out, total
+
+    def settle(self, average: list[torch.Tensor]) -> None:
+        """The round's ``average`` came back: our sent values at places the reducers' replies dropped (zero in the
+        average) were applied nowhere, and go back into the residual (a sparse codec's; dense ones drop nothing)."""
+        if self._sent is None:
+            return
+        for i, (sent, averaged) in enumerate(zip(self._sent, average)):
+            self.residuals[i] = self.residuals[i] + torch.where(averaged.reshape(sent.shape) == 0, sent, 0.0)
+        self._sent = None
 
     def undo(self) -> None:
         """The last ``roundtrip`` did not reach anyone (its round failed): keep the residual from before it.
@@ -152,11 +212,14 @@ class ErrorFeedback:
         if self._before is not None:
             self.residuals = self._before
             self._before = None
+        self._sent = None
 
 
-WIRE_CODES = {"bf16": 65, "int8": 66, "int4": 67}
-"""Compression codes of our encodings on the wire (hivemind's own enum ends at 5; proto3 enums are open)."""
-_BY_CODE = {code: CODECS[name] for name, code in WIRE_CODES.items()}
+WIRE_CODES = {"bf16": 65, "int8": 66, "int4": 67, "topk2": 68, "topk4": 69}
+"""Compression codes of our encodings on the wire (hivemind's own enum ends at 5; proto3 enums are open). A sparse
+message says how many values each chunk keeps, so one code serves every density."""
+_BY_CODE = {code: TopKCodec(bits=int(name[-1])) if name.startswith("topk") else CODECS[name]
+            for name, code in WIRE_CODES.items()}
 _STORAGE = {torch.float32: (torch.float32, np.float32), torch.bfloat16: (torch.int16, np.int16),
             torch.int8: (torch.int8, np.int8), torch.uint8: (torch.uint8, np.uint8)}
 """How each payload dtype becomes bytes (numpy has no bfloat16: its bits travel as int16)."""
@@ -165,14 +228,14 @@ _STORAGE = {torch.float32: (torch.float32, np.float32), torch.bfloat16: (torch.i
 class WireCompression(CompressionBase):
     """A codec of this module as a hivemind compression: what an all-reduce part looks like on the wire.
 
-    The message's buffer holds the per-block fp32 scales (if any) followed by the encoded values; its
-    ``size`` is the part's shape. Parts are split by hivemind at multiples of ``BLOCK`` values of a tensor
-    (see ``estimate_compression_ratio``), so a part's blocks are the whole tensor's blocks.
+    The message's buffer holds the per-block (or per-chunk) fp32 scales, if any, followed by the encoded values; its
+    ``size`` is the part's shape. Parts are split by hivemind at multiples of ``BLOCK`` values of a tensor, and of
+    ``sparse.CHUNK`` for ``topk`` (see ``estimate_compression_ratio``), so a part's blocks are the whole tensor's.
     """
 
-    def __init__(self, name: str):
-        self.codec = get_codec(name)
-        self.compression_type = WIRE_CODES[name]
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self.compression_type = WIRE_CODES[codec.wire_name]
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         payload = self.codec.encode(tensor.detach().cpu())
@@ -186,6 +249,14 @@ class WireCompression(CompressionBase):
         numel = shape.numel()
         codec = self.codec
         buffer = bytearray(message.buffer)  # writable, so torch does not warn
+        if isinstance(codec, TopKCodec):  # its decode checks the sizes it reads
+            count = -(-numel // sparse.CHUNK) * sparse.scales_per_chunk(codec.bits)
+            if len(buffer) < 4 * count:
+                raise ValueError(f"a topk part of shape {tuple(shape)} needs {4 * count} bytes of scales")
+            scales = torch.frombuffer(buffer, dtype=torch.float32, count=count) if count else torch.zeros(0)
+            data = torch.frombuffer(buffer, dtype=torch.uint8, offset=4 * count) if len(buffer) > 4 * count else \
+                torch.zeros(0, dtype=torch.uint8)
+            return codec.decode(Payload(data, scales, shape, numel))
         if isinstance(codec, _BlockQuantCodec):
             blocks = -(-numel // BLOCK)
             scales = torch.frombuffer(buffer, dtype=torch.float32, count=blocks) if blocks else torch.zeros(0)
@@ -202,8 +273,9 @@ class WireCompression(CompressionBase):
         return codec.decode(Payload(data, scales, shape, numel))
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        # exact powers of two: hivemind then cuts parts at multiples of BLOCK values (2**19 bytes per part)
-        return {"bf16": 0.5, "int8": 0.25, "int4": 0.125}[self.codec.name]
+        # exact powers of two: hivemind then cuts parts at multiples of BLOCK values (2**19 bytes per part), and of
+        # sparse.CHUNK for topk (parts of 2**22 values; ``averaging.part_size_bytes`` is a multiple of 1024)
+        return {"bf16": 0.5, "int8": 0.25, "int4": 0.125, "topk": 1 / 32}[self.codec.name]
 
 
 def deserialize(message: runtime_pb2.Tensor) -> torch.Tensor:
@@ -211,4 +283,4 @@ def deserialize(message: runtime_pb2.Tensor) -> torch.Tensor:
     codec = _BY_CODE.get(message.compression)
     if codec is None:
         return deserialize_torch_tensor(message)
-    return WireCompression(codec.name).extract(message)
+    return WireCompression(codec).extract(message)

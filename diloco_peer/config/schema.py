@@ -197,12 +197,22 @@ class OuterConfig(_Section):
 class AveragingConfig(_Section):
     """How a round finds its group and all-reduces (hivemind's DecentralizedAverager)."""
 
-    compression: Literal["none", "fp16", "bf16", "int8", "int4"] = "none"
-    """Pseudo-gradients on the wire: fp32 (none), fp16, bf16, or int8 / int4 with one fp32 scale per 1024
-    values (see compression.py). The reducers reply in the same encoding."""
+    compression: Literal["none", "fp16", "bf16", "int8", "int4", "topk"] = "none"
+    """Pseudo-gradients on the wire: fp32 (none), fp16, bf16, int8 / int4 with one fp32 scale per 1024
+    values, or ``topk``: sparse, the largest ``topk_density`` of every 4096 values in ``topk_bits`` bits, with error
+    feedback (see averaging/compression.py, averaging/sparse.py). The reducers reply in the same encoding."""
+    topk_density: float = Field(0.02, gt=0, le=1)
+    """``topk``: the fraction of every chunk of 4096 values sent (a reducer's reply keeps as many of its average)."""
+    topk_bits: Literal[2, 4] = 2
+    """``topk``: bits per value sent: 2 (a sign and one of two magnitudes per chunk) or 4 (a sign and 8 steps)."""
     error_feedback: bool = False
     """Carry what a lossy codec dropped from our pseudo-gradient into the next round's (nothing is lost for
-    good, only delayed); dropped after a state sync."""
+    good, only delayed), through failed rounds and state syncs. ``topk`` always does (it drops most values on
+    purpose)."""
+    feedback_decay: float = Field(1.0, gt=0, le=1)
+    """Error feedback: the share of the residual a round carries on. SparseLoCo's recipe for ``topk`` decays it by
+    0.95 a round with a plain outer SGD step at lr 1 (``outer.lr=1 outer.momentum=0 outer.nesterov=false``): the
+    decayed residual stands in for the outer momentum (docs/rounds.md, "Sparse pseudo-gradients")."""
     min_peers: int = Field(2, ge=1)
     """The first outer round waits until this many peers are live (every live record counts, ready or not), so that
     fast peers do not drift apart with solo steps while the swarm is still starting."""
@@ -237,7 +247,7 @@ class AveragingConfig(_Section):
     """Declared bandwidth in MB/s: the share of the all-reduce this peer reduces; 0 = equal shares. It can
     lower a slow peer's share, never raise one above the group's median peer's; in groups of 3 or more, each share
     is also scaled down by how much slower than the median member that peer steps (robust_aggregation.py)."""
-    part_size_bytes: int = Field(2**19, ge=4096, le=2**26)
+    part_size_bytes: int = Field(2**19, ge=4096, le=2**26, multiple_of=1024)
     """The all-reduce sends the pseudo-gradient in parts of up to this many bytes (after compression). A reducer
     answers a part once every sender's copy of it arrived, so a round ends one part (per sender) after the last
     byte: smaller parts shorten that tail, a little nearer a TCP stream's rate on a slow link than hivemind's
@@ -294,6 +304,17 @@ class AveragingConfig(_Section):
     our groups, be in a group we average in, or download our state."""
     ban_seconds: float = Field(600.0, gt=0)
     """How long a ban lasts, and the window in which offenses count towards one."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sparse_feeds_back(cls, data: Any) -> Any:
+        # what topk leaves behind (98% of a pseudo-gradient by default) would otherwise be lost for good
+        if isinstance(data, dict) and data.get("compression") == "topk":
+            if data.get("error_feedback") is False:
+                raise ValueError("compression='topk' sends a few values of each pseudo-gradient and keeps the rest "
+                                 "for later rounds: it needs error_feedback=true (or leave error_feedback unset)")
+            return {**data, "error_feedback": True}
+        return data
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> AveragingConfig:

@@ -35,7 +35,8 @@ SWARM_WIDE = (
     # the round: its length, the outer step, the overlap mode, the gate, matchmaking and the wire format
     "outer.inner_steps", "outer.round_length", "outer.contribution", "outer.lr", "outer.momentum", "outer.nesterov",
     "outer.overlap",
-    "averaging.compression", "averaging.min_peers", "averaging.first_round_timeout", "averaging.ready_timeout",
+    "averaging.compression", "averaging.topk_density", "averaging.topk_bits", "averaging.feedback_decay",
+    "averaging.min_peers", "averaging.first_round_timeout", "averaging.ready_timeout",
     "averaging.matchmaking_time", "averaging.start_when_complete", "averaging.request_timeout",
     "averaging.allreduce_timeout", "averaging.heartbeat", "averaging.part_size_bytes", "averaging.hand_in_slower_than",
     # the defences every reducer applies to the parts it averages

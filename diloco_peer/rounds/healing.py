@@ -137,7 +137,8 @@ class Healing:
         self.trainer.step = (self.outer.epoch + self.lag) * self.inner_steps
         next_round = self.outer.epoch + (self.lag if not sending else 0)
         self.last_sync_epoch = self.outer.epoch
-        self.averager.reset_feedback()  # the residual belonged to the weights we just replaced
+        # the error-feedback residual stays: it holds our training that no average took in yet, as valid a step from
+        # the synced weights as from ours (a sparse codec's holds most of it)
         await self.progress.publish(epoch=self.outer.epoch, round=next_round, inner_step=self.trainer.step,
                                     ready=False, state_hash=self.sync.state_hash, joined=True)
         logger.info(f"state sync: now at epoch {self.outer.epoch} ({result.summary()})")

@@ -98,7 +98,7 @@ class _Fragment:
         if len(self.outers) == 1:
             average = sent[0]
         else:
-            average, refused = group_average(own, sent, self.tokens, wire, codec, cfg.averaging)
+            average, refused = group_average(own, sent, self.tokens, wire, cfg.averaging)
             run.refused += refused
         self.tokens = [0] * len(self.outers)
         for outer, start in zip(self.outers, self.starts):
@@ -141,7 +141,7 @@ def run_streaming(cfg: PeerConfig, replicas: int, rounds: int, fragments: int, c
     measured every H steps on the outer weights."""
     started = time.perf_counter()
     H = cfg.outer.inner_steps
-    wire = get_codec(codec)
+    wire = get_codec(codec, cfg.averaging.topk_density, cfg.averaging.topk_bits)
     last = rounds * H
     run = SimRun(f"streaming-p{fragments}-k{replicas}-{codec}-{overlap}", "diloco", replicas, codec, overlap,
                  cfg.averaging.aggregation)

@@ -24,6 +24,7 @@ import math
 import typing
 from dataclasses import dataclass
 
+from ..averaging import sparse
 from ..config import AveragingConfig, ConfigError, DataConfig, ModelConfig, PeerConfig
 
 CPU, GPU_HOST, GPU = "cpu", "gpu_host", "gpu"
@@ -170,13 +171,17 @@ def data_bytes(data: DataConfig, vocab_size: int) -> int:
     return int(8 * tokens / (1 if data.tokenizer == "bytes" else 4))
 
 
-def codec_bytes(name: str, tensors: typing.Iterable[tuple[int, int]]) -> int:
+def codec_bytes(name: str, tensors: typing.Iterable[tuple[int, int]], density: float = 0.02, bits: int = 2) -> int:
     """Bytes of one pseudo-gradient in codec ``name`` (``averaging/compression.py``), given (values, count) per run
     of tensors (``ModelShape.tensors``): fp32 4 per value, fp16 and bf16 2, int8 1 and int4 one half (two per
-    byte), both plus one fp32 scale per block of 1024 values of a tensor."""
+    byte), both plus one fp32 scale per block of 1024 values of a tensor; ``topk`` at ``density`` and ``bits``, its
+    most (``averaging/sparse.py``: a kept value that is zero is not sent)."""
     total = 0
     for n, count in tensors:
         blocks = math.ceil(n / 1024)
+        if name == "topk":
+            total += count * sparse.nbytes(n, sparse.kept(n, density), bits)
+            continue
         total += count * {"none": 4 * n, "fp16": 2 * n, "bf16": 2 * n, "int8": n + 4 * blocks,
                           "int4": (n + 1) // 2 + 4 * blocks}[name]
     return total

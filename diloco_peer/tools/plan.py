@@ -137,7 +137,7 @@ def make_plan(cfg: PeerConfig, name: str, *, link: float, peers: int, device: st
     share = 2 * (peers - 1) / peers  # of the encoded pseudo-gradient, each way, per peer and round
     rounds = []
     for codec in CODECS:
-        payload = codec_bytes(codec, shape.tensors)
+        payload = codec_bytes(codec, shape.tensors, cfg.averaging.topk_density, cfg.averaging.topk_bits)
         rounds.append({"codec": codec, "configured": codec == cfg.averaging.compression, "payload_bytes": payload,
                        "sent_bytes": round(share * payload), "received_bytes": round(share * payload),
                        "seconds": share * payload * 8 / link})

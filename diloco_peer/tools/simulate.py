@@ -200,7 +200,7 @@ def arrival_step(arrival, rnd: int, replica: int, H: int) -> int:
 def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none", overlap: str = "blocking",
                error_feedback: bool = False, on_round=None, init: dict[str, torch.Tensor] | None = None,
                inner: list[InnerConfig] | None = None, arrival=None, speeds: list[float] | None = None,
-               contribution: str = "tokens") -> SimRun:
+               contribution: str = "tokens", refusals: frozenset[tuple[int, int]] = frozenset()) -> SimRun:
     """K replicas for ``rounds`` outer rounds, from ``init`` (see ``pretrain``) or from scratch.
     ``on_round(round, outer_params)`` is called after each round. ``inner``: each replica's inner config, for
     peers that differ (e.g. batch sizes, so that their pseudo-gradients weigh differently); default ``cfg.inner``.
@@ -208,15 +208,18 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
     (``arrival_step``: an int, a dict ``{(r, i): d}`` or a callable; default the round's end, d = H).
     ``speeds``: each replica's speed relative to the fastest (1.0), as in rounds bounded by time: replica i trains
     ``steps_in_round(H, speeds[i])`` inner steps a round, its LR schedule striding H over them (``Trainer.stride``);
-    ``contribution``: how its pseudo-gradient counts (``contribution_scale``)."""
+    ``contribution``: how its pseudo-gradient counts (``contribution_scale``). ``refusals``: (round, replica) pairs
+    where the replica refused the round's average and took the others' state instead, as a swarm's peer does: its
+    weights are the others', and its error feedback goes back to before the round (``ErrorFeedback.undo``)."""
     started = time.perf_counter()
-    wire = get_codec(codec)
+    wire = get_codec(codec, cfg.averaging.topk_density, cfg.averaging.topk_bits)
     aggregation = cfg.averaging.aggregation
     suffix = "" if aggregation == "mean" else f"-{aggregation}"
     run = SimRun(f"diloco-k{replicas}-{codec}-{overlap}{suffix}", "diloco", replicas, codec, overlap, aggregation)
     trainers = trainers_for(cfg, replicas, init, inner)
     outers = [OuterOptimizer(t.model, cfg.outer) for t in trainers]
-    feedback = [ErrorFeedback(wire) if error_feedback else None for _ in trainers]  # each codec's carried error
+    error_feedback = error_feedback or wire.returns_dropped  # (a sparse codec's always, as in the swarm)
+    feedback = [ErrorFeedback(wire, cfg.averaging.feedback_decay) if error_feedback else None for _ in trainers]
     run.tokens.append(0)
     run.eval_loss.append(trainers[0].evaluate())
     pending = None  # overlapped: the average of the previous round, applied at the end of this one
@@ -239,11 +242,9 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
             own.append(held)
             sent.append(delta)
             all_bytes += allreduce_bytes(replicas, size)
-        if replicas == 1:  # nothing to average with
-            average, _ = roundtrip_all(wire, sent[0])
-        else:
-            average, refused = group_average(own, sent, weights, wire, codec, cfg.averaging)
-            run.refused += refused
+        average, refused = _group_round(own, sent, weights, wire, cfg, feedback,
+                                        {i for r, i in refusals if r == rnd})
+        run.refused += refused
         pending = _apply(outers, starts, average, pending, overlap)
         if on_round is not None:
             on_round(rnd, outers[0].params)
@@ -256,6 +257,24 @@ def run_diloco(cfg: PeerConfig, replicas: int, rounds: int, codec: str = "none",
     run.bytes_per_replica = round(all_bytes / replicas)
     run.seconds = time.perf_counter() - started
     return run
+
+
+def _group_round(own: list[list[torch.Tensor]], sent: list[list[torch.Tensor]], weights: list[int], wire,
+                 cfg: PeerConfig, feedback: list[ErrorFeedback | None],
+                 refusing: set[int]) -> tuple[list[torch.Tensor], int]:
+    """The round's average as the swarm computes it (``group_average``; a lone replica's own, through the wire) and
+    the contributions its checks would refuse. Then each replica's error feedback, as its averager in a swarm: the
+    ``refusing`` replicas' goes back to before the round, the others' takes back what the average dropped."""
+    if len(sent) == 1:  # nothing to average with
+        average, refused = roundtrip_all(wire, sent[0])[0], 0
+    else:
+        average, refused = group_average(own, sent, weights, wire, cfg.averaging)
+    for i, fb in enumerate(feedback):
+        if fb is not None and i in refusing:
+            fb.undo()
+        elif fb is not None:
+            fb.settle(average)
+    return average, refused
 
 
 def run_baseline(cfg: PeerConfig, kind: str, replicas: int, rounds: int,

@@ -19,6 +19,7 @@ import torch
 from hivemind.averaging.partition import TensorPartContainer
 
 from ..averaging.averager import wire_compression
+from ..averaging.compression import Codec
 from ..averaging.robust_aggregation import BadContribution, Limits, aggregate, check_average, refuse_update, vector_norm
 from ..config import AveragingConfig
 
@@ -39,7 +40,7 @@ def roundtrip_all(codec, tensors):
     return out, total
 
 
-def _spans(tensors: list[torch.Tensor], reducers: int, codec: str, part_size_bytes: int) -> list[tuple[torch.Tensor]]:
+def _spans(tensors: list[torch.Tensor], reducers: int, codec: Codec, part_size_bytes: int) -> list[tuple[torch.Tensor]]:
     """``tensors`` cut into the parts the swarm's all-reduce sends, per reducer (equal shares, in order)."""
     container = TensorPartContainer(tensors, [1.0] * reducers, wire_compression(codec), part_size_bytes)
     return [container.get_raw_input_parts(j) for j in range(reducers)]
@@ -54,7 +55,7 @@ def _refuses(average: torch.Tensor, mine: torch.Tensor, limits: Limits) -> bool:
     return False
 
 
-def group_average(own: list[list[torch.Tensor]], sent: list[list[torch.Tensor]], weights: list[int], wire, codec: str,
+def group_average(own: list[list[torch.Tensor]], sent: list[list[torch.Tensor]], weights: list[int], wire: Codec,
                   cfg: AveragingConfig) -> tuple[list[torch.Tensor], int]:
     """The group's average as the swarm's reducers compute it, part by part (see the module docstring), after
     crossing the wire back; and the number of contributions the swarm's checks would have refused.
@@ -64,8 +65,8 @@ def group_average(own: list[list[torch.Tensor]], sent: list[list[torch.Tensor]],
     """
     limits = Limits.of(cfg)
     k = len(sent)
-    sent_spans = [_spans(s, k, codec, cfg.part_size_bytes) for s in sent]
-    own_spans = [_spans(o, k, codec, cfg.part_size_bytes) for o in own]
+    sent_spans = [_spans(s, k, wire, cfg.part_size_bytes) for s in sent]
+    own_spans = [_spans(o, k, wire, cfg.part_size_bytes) for o in own]
     averaged = []
     refused = 0
     for j in range(k):  # replica j reduces span j: its own part is the reference of the checks
