@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python bench/bytes_per_token.py --quick    # H=250, int4 (~1.5 min)
     sudo .venv/bin/python bench/bytes_per_token.py            # H=500, fp32 / int8 / int4 (~5 min)
+    sudo .venv/bin/python bench/bytes_per_token.py --codecs topk --peers 3,6   # sparse, a peer's bytes at 3 and 6
 
 A real swarm of three peers in network namespaces (links unshaped: only bytes count here) trains with
 H inner steps per round; every all-reduce message is counted as it crosses the wire (protobuf bytes,
@@ -14,7 +15,8 @@ Model quality at these settings is compared in the same run (eval loss after the
 fp32 vs int8 vs int4) and, over longer runs, in BENCHMARKS.md's reproduction table (int8 matches fp32).
 Small batches (2 x 128 tokens) keep H=500 rounds short on 2 CPU cores; the ratio does not depend on the
 batch (DDP's bytes are per step too). Writes ``bytes_per_token_vs_ddp`` figures: value = DDP's bytes per
-token, baseline = ours, ratio = how many times fewer bytes the swarm moves.
+token, baseline = ours, ratio = how many times fewer bytes the swarm moves; with the bytes one peer sends and
+receives per round (a butterfly all-reduce's stay about the same at any number of peers: ``--peers 3,6``).
 """
 
 from __future__ import annotations
@@ -38,33 +40,42 @@ def main() -> int:
     parser.add_argument("--H", type=int, default=None, help="inner steps per round (default 500; quick 250)")
     parser.add_argument("--rounds", type=int, default=3, help="outer rounds per codec (the first is not counted)")
     parser.add_argument("--overlap", default="eager", choices=["blocking", "eager", "delayed"])
+    parser.add_argument("--codecs", default=None, help="comma-separated (default none,int8,int4; quick int4)")
+    parser.add_argument("--peers", default="3", help="comma-separated swarm sizes (default 3)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     if why := available():
         print(f"error: this benchmark needs network namespaces: {why} (run it as root)", file=sys.stderr)
         return 2
     H = args.H or (250 if args.quick else 500)
-    codecs = ["int4"] if args.quick else ["none", "int8", "int4"]
-    common = [f"outer.inner_steps={H}", "inner.batch_size=2", f"outer.overlap={args.overlap}",
-              "averaging.ready_timeout=20.0", *args.overrides]
-    print(f"3 peers, H={H}, batch 2 x 128 tokens, {args.overlap} rounds, {args.rounds} rounds per codec", flush=True)
+    codecs = (args.codecs or ("int4" if args.quick else "none,int8,int4")).split(",")
+    sizes = [int(n) for n in args.peers.split(",")]
+    # H steps a round for every peer (rounds bounded by time would train fewer where the peers share the cores)
+    common = [f"outer.inner_steps={H}", "outer.round_length=steps", "inner.batch_size=2",
+              f"outer.overlap={args.overlap}", "averaging.ready_timeout=20.0", *args.overrides]
+    print(f"{args.peers} peers, H={H}, batch 2 x 128 tokens, {args.overlap} rounds, {args.rounds} rounds per codec",
+          flush=True)
     results = {}
-    with SlowNetwork(3, 0) as net, tempfile.TemporaryDirectory() as tmp:
-        for codec in codecs:
-            results[codec] = s = run_swarm(net, [*common, f"averaging.compression={codec}"], args.rounds,
-                                           Path(tmp) / codec, timeout=1200)
-            print(f"  {codec:5}: {s['bytes_per_token']:.2f} bytes/token, DDP {s['ddp_bytes_per_token']:,.0f}: "
-                  f"{s['ddp_bytes_per_token'] / s['bytes_per_token']:,.0f}x fewer", flush=True)
-    print(f"\n{'codec':6}{'bytes/token':>12}{'DDP bytes/token':>16}{'DDP / ours':>11}{'averaged':>9}{'eval loss':>10}")
+    for peers in sizes:
+        with SlowNetwork(peers, 0) as net, tempfile.TemporaryDirectory() as tmp:
+            for codec in codecs:
+                results[codec, peers] = s = run_swarm(net, [*common, f"averaging.compression={codec}"], args.rounds,
+                                                      Path(tmp) / codec, timeout=1200)
+                print(f"  {codec:5} {peers} peers: {s['bytes_per_token']:.3f} bytes/token, DDP "
+                      f"{s['ddp_bytes_per_token']:,.0f}: {s['ddp_bytes_per_token'] / s['bytes_per_token']:,.0f}x "
+                      f"fewer; {s['bytes_per_peer_round'] / 1e3:,.1f} kB a peer and round", flush=True)
+    print(f"\n{'codec':6}{'peers':>6}{'bytes/token':>12}{'DDP bytes/token':>16}{'DDP / ours':>11}"
+          f"{'kB/peer/round':>14}{'averaged':>9}{'eval loss':>10}")
     figures = []
-    for codec, s in results.items():
+    for (codec, peers), s in results.items():
         ratio = s["ddp_bytes_per_token"] / s["bytes_per_token"]
-        print(f"{codec:6}{s['bytes_per_token']:12.2f}{s['ddp_bytes_per_token']:16,.0f}{ratio:10,.0f}x"
-              f"{s['averaged_fraction']:9.0%}{s['eval_loss']:10.4f}")
+        print(f"{codec:6}{peers:6}{s['bytes_per_token']:12.3f}{s['ddp_bytes_per_token']:16,.0f}{ratio:10,.0f}x"
+              f"{s['bytes_per_peer_round'] / 1e3:14,.1f}{s['averaged_fraction']:9.0%}{s['eval_loss']:10.4f}")
         figures.append(figure("bytes_per_token_vs_ddp", round(s["ddp_bytes_per_token"], 2),
-                              round(s["bytes_per_token"], 4), codec=codec, H=H, overlap=args.overlap, peers=3,
+                              round(s["bytes_per_token"], 4), codec=codec, H=H, overlap=args.overlap, peers=peers,
                               batch_tokens=256, parameters=s["parameters"], quick=args.quick,
-                              eval_loss=round(s["eval_loss"], 4), averaged_fraction=round(s["averaged_fraction"], 3)))
+                              eval_loss=round(s["eval_loss"], 4), averaged_fraction=round(s["averaged_fraction"], 3),
+                              bytes_per_peer_round=round(s["bytes_per_peer_round"])))
     save(figures)
     return 0
 

@@ -36,6 +36,7 @@ from results import figure, save  # noqa: E402
 from swarm_bench import measure  # noqa: E402
 
 from diloco_peer.averaging.averager import wire_compression  # noqa: E402
+from diloco_peer.averaging.compression import get_codec  # noqa: E402
 from diloco_peer.config import load_config  # noqa: E402
 from diloco_peer.tools.local_swarm import diloco_command  # noqa: E402
 from diloco_peer.training.model import build_model  # noqa: E402
@@ -45,7 +46,7 @@ OFFLINE = ["data.source='stdlib'", "data.tokenizer='bytes'", "model.vocab_size=2
 
 def wire_bytes(cfg, codec: str) -> int:
     """Protobuf bytes of one whole pseudo-gradient encoded with ``codec`` (random values, real shapes)."""
-    compression, total = wire_compression(codec), 0
+    compression, total = wire_compression(get_codec(codec)), 0
     for p in build_model(cfg.model, 0).parameters():
         x = torch.randn(p.shape)
         total += compression.compress(x, CompressionInfo.from_tensor(x)).ByteSize()
