@@ -1,19 +1,27 @@
 """The sparse codec (``averaging.compression = "topk"``): what it keeps, its bytes on the wire, the checks of a sender's
-bytes, its parts in an all-reduce, its error feedback, and robust aggregation over it. That a swarm computes with it
-exactly what the simulator computes: ``test_simulate.py``."""
+bytes, its parts in an all-reduce, its error feedback, robust aggregation over it, and its density fitted to the link.
+That a swarm computes with it exactly what the simulator computes: ``test_simulate.py``."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import FAST
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.partition import TensorPartContainer
 from hivemind.compression import CompressionInfo
+from hivemind.utils.serializer import MSGPackSerializer
 
-from diloco_peer.averaging import sparse
+from diloco_peer.averaging import link_fit, sparse
 from diloco_peer.averaging.averager import wire_compression
-from diloco_peer.averaging.compression import ErrorFeedback, TopKCodec, deserialize
+from diloco_peer.averaging.compression import ErrorFeedback, TopKCodec, deserialize, get_codec
+from diloco_peer.averaging.link_fit import LinkFit
+from diloco_peer.averaging.membership import Membership
+from diloco_peer.averaging.robust_aggregation import BanList
 from diloco_peer.config import ConfigError, load_config
+from diloco_peer.swarm.admission import Admission
 from diloco_peer.tools.simulate import run_diloco
 
 CHUNK = sparse.CHUNK
@@ -128,3 +136,40 @@ def test_robust_aggregation_refuses_no_honest_sparse_part():
     run = run_diloco(cfg, 3, 2, codec="topk")
     assert run.refused == 0
     assert run.eval_loss[-1] < run.eval_loss[0]
+
+
+def test_a_peer_lowers_its_density_until_its_exchange_fits_its_share_of_the_round():
+    fit = LinkFit(most=0.02, share=0.1)
+    assert fit.observe(100.0, 0.02, 4.0) == "" and fit.density == 0.02  # the first round: no round length yet
+    # a 10 s round, 1 s for the exchange; 4 s at 2%: a quarter of that density fits
+    assert "2.000% -> 0.500%" in fit.observe(110.0, 0.02, 4.0) and fit.density == pytest.approx(0.005)
+    fit.observe(120.0, 0.005, 0.125)  # room for 8x as much: at most twice the last pick
+    assert fit.density == pytest.approx(0.01)
+    fit.observe(130.0, 0.01, 0.1)
+    assert fit.density == 0.02  # never above topk_density
+    fit.observe(140.0, 0.02, 1000.0)
+    assert fit.density == 0.02 * link_fit.LEAST  # a link that fits nothing still sends something
+    off = LinkFit(most=0.02, share=0.0)
+    off.observe(100.0, 0.02, 50.0)
+    off.observe(110.0, 0.02, 50.0)
+    assert off.density == 0.02
+
+
+def test_a_group_encodes_at_the_lowest_density_its_members_asked_for():
+    """Every member computes the group's compression from the same gathered picks (a reducer and its senders must
+    agree); a pick that is no density counts as the most, and none goes below the floor."""
+    serializer = MSGPackSerializer
+
+    def gathered(**fields) -> bytes:  # hivemind's gather tuple around our fields (``RoundAverager.average``)
+        return serializer.dumps([None, AveragingMode.NODE.value, serializer.dumps(fields)])
+
+    members = Membership(Admission(), BanList(2, 60.0), "run_progress", serializer)
+    ours = wire_compression(TopKCodec(0.02, 4))
+    group = SimpleNamespace(gathered=(gathered(density=0.02), gathered(density=0.005), gathered(density="lots"),
+                                      gathered(tokens=5), b"not msgpack"))
+    chosen = members.compression(group, ours)
+    assert (chosen.codec.density, chosen.codec.bits) == (0.005, 4)
+    assert members.compression(SimpleNamespace(gathered=(gathered(density=1e-9),)), ours).codec.density == \
+        0.02 * link_fit.LEAST
+    int8 = wire_compression(get_codec("int8"))
+    assert members.compression(group, int8) is int8

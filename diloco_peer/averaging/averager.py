@@ -41,12 +41,15 @@ from ..config.faults import NO_FAULTS, Faults
 from ..lifecycle import hivemind_calls
 from ..swarm.admission import Admission
 from ..training.outer_optimizer import flat_tensors, release_pages
-from .compression import Codec, ErrorFeedback, WireCompression, configured_codec
+from .compression import Codec, ErrorFeedback, WireCompression, configured_codec, get_codec
 from .handing_in import HandingIn
 from .hivemind_internals import keeping_our_sigint
+from .link_fit import LinkFit
 from .pseudo_gradient_averager import PseudoGradientAverager
 from .robust_aggregation import BanList, Limits, vector_norm
 from .traffic import FAILED_VALUES, RECEIVED, RELAYED, SENT, TRANSFER_US
+
+logger = logging.getLogger(__name__)
 
 
 def wire_compression(codec: Codec) -> CompressionBase:
@@ -91,6 +94,8 @@ class RoundResult:
     transfer_seconds: float = 0.0
     """The all-reduce proper, after matchmaking: where the bytes moved (``seconds`` includes matchmaking)."""
     error: str = ""
+    density: float | None = None
+    """``topk``: the density we asked our group to send at (``link_fit.py``)."""
     offenses: list[dict] = field(default_factory=list)
     """Contributions of other peers our averager refused since the last round (see ``offenses()``)."""
 
@@ -127,6 +132,7 @@ class RoundAverager(HandingIn):
         self.peer_id = dht.peer_id.to_base58()
         self.codec = configured_codec(cfg)
         self.feedback = ErrorFeedback(self.codec, cfg.feedback_decay) if cfg.error_feedback else None
+        self.link_fit = LinkFit(cfg.topk_density, cfg.exchange_share) if cfg.compression == "topk" else None
         self._banned: dict[str, float] = {}  # peer id -> when its ban ends (time.monotonic), see banned()
         self._in_flight = False  # an all-reduce may be using the buffers: they must not be released
         self._control = None  # the last round's step in the averager process (hivemind's StepControl)
@@ -221,23 +227,30 @@ class RoundAverager(HandingIn):
         :param step_seconds: our seconds per inner step, lately (``rounds/pace.py``), gathered: a slower member
           reduces a smaller span (``vector_split.paced_bandwidths``); None: not measured
         """
-        started = time.perf_counter()
+        started, begun = time.perf_counter(), time.monotonic()
         before = self.averager.traffic.clone()
+        density = self.link_fit.density if self.link_fit is not None else None
+        if density is not None:  # (the density fitted to our link: the group's may be lower)
+            self.feedback.codec = get_codec("topk", density, self.cfg.topk_bits)
         if self.feedback is not None:  # send codec(x + residual); keep what the codec drops for next round
             pseudo_gradient, _ = self.feedback.roundtrip(pseudo_gradient)
         self._in_flight = True
         try:
             result = await self._average(pseudo_gradient, weight, epoch, expected, nudge, step_seconds, started,
-                                         before)
+                                         before, density)
         finally:
             self._in_flight = False
         if result.ok and self.feedback is not None:  # what the replies dropped of ours goes back (a sparse codec)
             self.feedback.settle(result.averaged)
+        if result.ok and self.link_fit is not None and (change := self.link_fit.observe(
+                begun, density, result.transfer_seconds)):
+            logger.info(f"link fit: {change}")
+        result.density = density
         return result
 
     async def _average(self, pseudo_gradient: list[torch.Tensor], weight: float, epoch: int, expected: int | None,
-                       nudge: list[str], step_seconds: float | None, started: float,
-                       before: torch.Tensor) -> RoundResult:
+                       nudge: list[str], step_seconds: float | None, started: float, before: torch.Tensor,
+                       density: float | None) -> RoundResult:
         self._copy_in(pseudo_gradient)
         weight = self.faults.poisoned_weight(weight)
         # one matchmaking key per outer epoch: a late peer still averaging epoch e never lands in the group of epoch
@@ -252,9 +265,10 @@ class RoundAverager(HandingIn):
             weight=float(weight),
             # bans: the peers we ban, so that a leader leaves them out before the group forms (group_bans.py)
             # expected: a leader that counted fewer waits for as many as we count (grow_target_with_followers)
+            # density: topk's, fitted to our link: the group sends at its members' lowest (link_fit.py)
             gather={"epoch": epoch, "tokens": int(weight), "proof": self.admission.proof(self.peer_id),
                     "relayed": self.relayed, "bans": self.banned(), "step_seconds": step_seconds,
-                    "expected": size},
+                    "expected": size, "density": density},
             scheduled_time=get_dht_time() + window,
             # deadline for *finding* a group: one window, and two more for a retry (the all-reduce has its own)
             timeout=window * 3,

@@ -21,11 +21,13 @@ from __future__ import annotations
 import logging
 
 from hivemind.averaging.allreduce import AveragingMode
+from hivemind.compression import CompressionBase
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 
 from ..swarm.admission import Admission
-from . import vector_split
+from . import link_fit, vector_split
+from .compression import TopKCodec, WireCompression
 from .group_bans import left_out
 from .robust_aggregation import BanList
 
@@ -106,6 +108,15 @@ class Membership:
             except Exception:  # not our gather format: refusal deals with such a member
                 members.append(vector_split.Member(bandwidth, client))
         return members
+
+    def compression(self, group_info, ours: CompressionBase) -> CompressionBase:
+        """The compression a group's all-reduce encodes with: ``ours``, or for ``topk`` at the lowest density its
+        members gathered (``link_fit.agreed``): every member computes the same from the same gathered picks."""
+        codec = getattr(ours, "codec", None)
+        if not isinstance(codec, TopKCodec):
+            return ours
+        picks = [self._fields(gathered).get("density") for gathered in group_info.gathered]
+        return WireCompression(TopKCodec(link_fit.agreed(picks, codec.density), codec.bits))
 
     def tokens(self, group_info) -> list[float]:
         """The tokens each member of a group gathered with (0 where it says none we can read)."""

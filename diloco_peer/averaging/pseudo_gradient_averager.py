@@ -356,6 +356,7 @@ class PseudoGradientAverager(hand_in.HandInService, DecentralizedAverager):
         kwargs["peer_fractions"] = await asyncio.get_running_loop().run_in_executor(
             None, self._fair_fractions, group_info)
         await self._refuse_group(group_info, group_id)
+        kwargs["compression"] = self.members.compression(group_info, kwargs["compression"])  # (topk: its density)
         # with what slow peers handed in to us averaged in, under their weights too (hand_in.py)
         sent, kwargs["weight"], folded = self.hand_ins.fold(self._sent(), kwargs["weight"], self._report_hand_in)
         p2p = internals.p2p_of(self)

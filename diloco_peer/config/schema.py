@@ -205,6 +205,12 @@ class AveragingConfig(_Section):
     """``topk``: the fraction of every chunk of 4096 values sent (a reducer's reply keeps as many of its average)."""
     topk_bits: Literal[2, 4] = 2
     """``topk``: bits per value sent: 2 (a sign and one of two magnitudes per chunk) or 4 (a sign and 8 steps)."""
+    exchange_share: float = Field(0.0, ge=0, le=1)
+    """``topk``: the share of a round this peer's exchange may take. Above 0, the peer measures its all-reduces and
+    the rounds' length and lowers the density it asks for (down to a sixteenth of ``topk_density``) until its
+    exchange fits; a group sends at the lowest density its members asked for (``averaging/link_fit.py``). Blocking
+    rounds: the network time you accept (0.1: a tenth of the round); overlapped: up to the whole round (0.9). 0: always
+    ``topk_density``."""
     error_feedback: bool = False
     """Carry what a lossy codec dropped from our pseudo-gradient into the next round's (nothing is lost for
     good, only delayed), through failed rounds and state syncs. ``topk`` always does (it drops most values on

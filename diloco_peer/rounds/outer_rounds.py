@@ -304,5 +304,5 @@ class OuterRounds:
             inner_lr=self.trainer.current_lr(), outer_lr=self.outer_lr, inner_step=self.trainer.step,
             param_sha256=self.sync.state_hash, inner_steps=inner.steps,
             arrived_step=arrival.step if arrival is not None else None,
-            late_seconds=round(inner.late_seconds, 3) or None)
+            late_seconds=round(inner.late_seconds, 3) or None, density=result.density)
 

@@ -65,6 +65,9 @@ class RoundRecord:
     arrived_step: int | None = None
     """Overlapped, ``outer.apply_on_arrival``: the inner step of the next round at which this round's average
     reached the replica (``arrival.py``); None (absent from the event): at the end of that round."""
+    density: float | None = None
+    """``topk``: the density this peer asked its group to send at, fitted to its link (``link_fit.py``); None (absent
+    from the event): another codec."""
     late_seconds: float | None = None
     """Seconds cut from this round's training because this peer began it after the round's first peer
     (``Pace.late``); None (absent from the event): no cut."""
