@@ -179,12 +179,12 @@ class ErrorFeedback:
         self.decay = decay
         self.residuals = None
         self._before: list[torch.Tensor] | None = None
-        self._sent: list[torch.Tensor] | None = None
+        self._sent: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (places, values) sent, per tensor
 
     def roundtrip(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
         if self.residuals is None:
             self.residuals = [torch.zeros_like(t, dtype=torch.float32) for t in tensors]
-        self._before = list(self.residuals)  # the tensors are replaced below, never changed in place
+        self._before = list(self.residuals)  # replaced below, not changed: settle changes only the new ones
         out = []
         total = 0
         for i, t in enumerate(tensors):
@@ -193,7 +193,9 @@ class ErrorFeedback:
             self.residuals[i] = corrected - sent
             out.append(sent)
             total += size
-        self._sent = out if self.codec.returns_dropped else None
+        if self.codec.returns_dropped:  # only the places sent: a few percent of the tensors' memory
+            self._sent = [(places, sent.flatten()[places]) for sent in out
+                          for places in [sent.flatten().nonzero().flatten()]]
         return out, total
 
     def settle(self, average: list[torch.Tensor]) -> None:
@@ -201,8 +203,9 @@ class ErrorFeedback:
         average) were applied nowhere, and go back into the residual (a sparse codec's; dense ones drop nothing)."""
         if self._sent is None:
             return
-        for i, (sent, averaged) in enumerate(zip(self._sent, average)):
-            self.residuals[i] = self.residuals[i] + torch.where(averaged.reshape(sent.shape) == 0, sent, 0.0)
+        for residual, (places, values), averaged in zip(self.residuals, self._sent, average):
+            dropped = averaged.flatten()[places] == 0
+            residual.view(-1)[places[dropped]] += values[dropped]
         self._sent = None
 
     def undo(self) -> None:

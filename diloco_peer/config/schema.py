@@ -242,7 +242,9 @@ class AveragingConfig(_Section):
     """A peer whose inner steps take over this many times the median of the others' at its epoch hands its
     pseudo-gradient in to a fast peer, which averages it in with its own, instead of joining the all-reduce, where
     every member waits for its slow parts (``averaging/hand_in.py``); it gets the round's average from that peer.
-    Blocking rounds bounded by time only (``outer.round_length = "time"``, ``outer.overlap = "blocking"``); 0: never."""
+    Blocking rounds bounded by time only (``outer.round_length = "time"``, ``outer.overlap = "blocking"``), not with
+    ``topk`` (the proxy's sparse encoding would drop most of what was handed in, kept by nobody's error feedback);
+    0: never."""
     request_timeout: float = Field(2.0, gt=0)
     allreduce_timeout: float = Field(60.0, gt=0)
     """Seconds after which an all-reduce is abandoned: the round then takes the state the other peers end it with

@@ -272,8 +272,9 @@ class OuterRounds:
         return self.pace.too_slow(record, records, own=self.progress.record.peer_id)
 
     def _proxies(self, records: list[ProgressRecord], epoch: int) -> list[str]:
-        return self.pace.proxies(self.progress.trusted(records), self.progress.record.peer_id, epoch,
-                                 self.averaging.hand_in_slower_than)
+        # topk hands nothing in: the proxy's encoding would drop most of it, and no error feedback would keep that
+        slower_than = 0.0 if self.averaging.compression == "topk" else self.averaging.hand_in_slower_than
+        return self.pace.proxies(self.progress.trusted(records), self.progress.record.peer_id, epoch, slower_than)
 
     async def _at_gate(self, records: list) -> tuple[bool, str]:
         return await self.schedule.at_gate(self, records)
