@@ -93,6 +93,14 @@ def test_events_drive_the_metrics():
     PeerStats(**stats)
 
 
+def test_a_topk_round_says_the_density_its_peer_asked_for():
+    m = PeerMetrics()
+    m.observe(ROUND)
+    assert _value(m, "diloco_topk_density") == 0  # (another codec: never set)
+    m.observe({**ROUND, "round": 2, "density": 0.0125})
+    assert _value(m, "diloco_topk_density") == 0.0125
+
+
 def test_overlapped_rounds_count_only_the_wait_as_communication_time():
     m = PeerMetrics()
     for event in (START, PROGRESS, {**ROUND, "overlap_wait_seconds": 0.125}):

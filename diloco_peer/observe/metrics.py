@@ -69,6 +69,8 @@ class PeerMetrics:
                                 registry=r)
         self.round_steps = Gauge("diloco_round_inner_steps", "Inner steps this peer trained in its last round (rounds "
                                  "bounded by time: fewer than H on a slower device)", registry=r)
+        self.density = Gauge("diloco_topk_density", "topk: the share of each chunk this peer asked its group to send "
+                             "in its last round, fitted to its link", registry=r)
         self.allreduce = Histogram("diloco_allreduce_duration_seconds", "Matchmaking + all-reduce of a round",
                                    buckets=ALLREDUCE_BUCKETS, registry=r)
         self.not_averaged = Counter("diloco_values_not_averaged", "Pseudo-gradient values a failed reducer left "
@@ -177,6 +179,8 @@ class PeerMetrics:
         self.inner_lr.set(e["inner_lr"])
         self.group_size.set(e["group_size"])
         self.round_steps.set(e.get("inner_steps", 0))
+        if "density" in e:
+            self.density.set(e["density"])
         if e["outcome"] != "solo":
             self.allreduce.observe(e["allreduce_seconds"])
         self.not_averaged.inc(e["values_not_averaged"])
