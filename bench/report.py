@@ -27,7 +27,8 @@ TABLES = {
                     ["overlap", "codec", "mbit", "H", "peers", "seconds_per_round", "averaged_fraction", "quick"]),
     "bytes_per_token_vs_ddp": ("Bytes per trained token vs DDP (`bench/bytes_per_token.py`)",
                                "value: DDP's bytes per token; baseline: the swarm's; ratio: how many times fewer",
-                               ["codec", "H", "overlap", "eval_loss", "averaged_fraction", "quick"]),
+                               ["codec", "density", "exchange_share", "H", "overlap", "peers", "mbit",
+                                "bytes_per_peer_round", "eval_loss", "averaged_fraction", "quick"]),
     "allreduce_efficiency": ("All-reduce throughput vs raw TCP (`bench/allreduce_efficiency.py`)",
                              "bytes/s per peer in the all-reduce proper; baseline: one TCP stream on the same link; "
                              "of_mesh: the same rate / a raw TCP full mesh's (every peer sending to all at once)",

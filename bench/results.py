@@ -19,7 +19,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results.json"
 MEASURED = {"measured_at", "seconds_per_round", "averaged_fraction", "eval_loss", "ratios", "median_pair_ratio",
             "allreduce_seconds", "compute_seconds", "mesh_bytes_per_second", "of_mesh", "per_peer", "identical",
-            "pss_per_peer"}
+            "pss_per_peer", "bytes_per_peer_round"}
 """Settings keys that are measured in the run, not chosen: they do not tell configurations apart."""
 
 

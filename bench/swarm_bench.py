@@ -102,6 +102,7 @@ def measure(workdir: Path, peers: int, skip: int = 1) -> dict:
                          if r["outcome"] == "averaged" and r.get("transfer_seconds")],
             "overlap_wait": sum(r.get("overlap_wait_seconds", 0.0) for r in rounds),
             "eval_loss": rounds[-1]["eval_loss"],
+            "densities": [r.get("density") for r in rounds],
         })
     parameters, k = per_peer[0]["parameters"], peers
     tokens_per_step = statistics.mean(p["tokens_per_step"] for p in per_peer)
@@ -124,6 +125,7 @@ def measure(workdir: Path, peers: int, skip: int = 1) -> dict:
         "tokens": sum(p["round_tokens"] for p in per_peer),
         "rounds": per_peer[0]["rounds"],
         "parameters": parameters,
+        "densities": [p["densities"] for p in per_peer],
     }
 
 
