@@ -53,8 +53,8 @@ VOLUNTEER = (
     # where its copy of the data is, which shard it reads, how much of a stream it holds
     "data.paths", "data.shards_dir", "data.shard", "data.buffer_tokens",
     # what it sends and keeps for others: its memory and its link
-    "averaging.error_feedback", "averaging.exchange_share", "averaging.bandwidth", "averaging.sync_timeout", "averaging.sync_attempts",
-    "averaging.log_rounds", "averaging.serve_copy_in_memory_mb",
+    "averaging.error_feedback", "averaging.exchange_share", "averaging.bandwidth", "averaging.sync_timeout",
+    "averaging.sync_attempts", "averaging.log_rounds", "averaging.serve_copy_in_memory_mb",
     # its addresses, identity, secret and reachability; its checkpoints and metrics
     "swarm", "checkpoint", "metrics",
 )
