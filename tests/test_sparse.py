@@ -22,6 +22,7 @@ from diloco_peer.averaging.membership import Membership
 from diloco_peer.averaging.robust_aggregation import BanList
 from diloco_peer.config import ConfigError, load_config
 from diloco_peer.swarm.admission import Admission
+from diloco_peer.tools.fragment_rounds import run_streaming
 from diloco_peer.tools.simulate import run_diloco
 
 CHUNK = sparse.CHUNK
@@ -126,6 +127,8 @@ def test_topk_turns_error_feedback_on_and_refuses_a_config_that_turns_it_off():
     assert load_config(None, ["averaging.compression='topk'"]).averaging.error_feedback
     with pytest.raises(ConfigError, match="needs error_feedback=true"):
         load_config(None, ["averaging.compression='topk'", "averaging.error_feedback=false"])
+    with pytest.raises(ValueError, match="rounds by fragments do not model"):  # (they carry no error feedback)
+        run_streaming(load_config(None, FAST), 2, 1, 2, "topk")
 
 
 def test_robust_aggregation_refuses_no_honest_sparse_part():

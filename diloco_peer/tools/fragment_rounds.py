@@ -142,6 +142,9 @@ def run_streaming(cfg: PeerConfig, replicas: int, rounds: int, fragments: int, c
     started = time.perf_counter()
     H = cfg.outer.inner_steps
     wire = get_codec(codec, cfg.averaging.topk_density, cfg.averaging.topk_bits)
+    if wire.returns_dropped:
+        raise ValueError(f"codec {codec!r} needs error feedback, which rounds by fragments do not model: "
+                         f"use run_diloco for it")
     last = rounds * H
     run = SimRun(f"streaming-p{fragments}-k{replicas}-{codec}-{overlap}", "diloco", replicas, codec, overlap,
                  cfg.averaging.aggregation)
