@@ -11,11 +11,11 @@ import sys
 
 import psutil
 import pytest
-from conftest import require_namespaces, wait_for_line
+from conftest import SESSION_ENVIRONMENT, require_namespaces, wait_for_line
 
 from diloco_peer.config.faults import FAULT_ENV
 from diloco_peer.tools.local_swarm import LocalSwarm, diloco_command
-from diloco_peer.tools.zygote import Forked
+from diloco_peer.tools.zygote import Forked, Zygote
 
 
 def forked(zygote, tmp_path, *args: str, env: dict | None = None, log: str = "out.log", cmd=None,
@@ -106,3 +106,30 @@ def test_a_forked_command_enters_its_cgroup_before_it_runs(tmp_path, zygote):
     proc = forked(zygote, tmp_path, cmd=[sys.executable, str(script)], cgroup=group)
     assert proc.wait(timeout=60) == 0
     assert (tmp_path / "out.log").read_text() == "True\n" and int((group / "cgroup.procs").read_text()) == proc.pid
+
+
+def test_a_command_killed_holding_hivemind_s_locks_never_hangs_the_next_ones(tmp_path):
+    """hivemind makes process-shared locks as it is imported, and every ``MPFuture`` takes one as it is made: a
+    command SIGKILLed while it held it (or stopped: a test suspends a DHT process) must not hang the commands
+    forked after it, as a fresh process's own import would not. (It did: in a suite's run every test after a
+    SIGKILL test failed, its peers' DHTs hung in their first call.) A zygote of its own: one whose lock is lost
+    hangs every command it forks after."""
+    holder, maker = tmp_path / "hold.py", tmp_path / "make.py"
+    holder.write_text("import time\nfrom hivemind.utils.mpfuture import SharedBytes\n"
+                      "from hivemind.utils.asyncio import _AsyncContextWrapper\n"
+                      "SharedBytes._lock.acquire()\n_AsyncContextWrapper.EXECUTOR_LOCK.acquire()\n"
+                      "print('holding', flush=True)\ntime.sleep(120)\n")
+    maker.write_text("from hivemind.utils.mpfuture import MPFuture\nfrom hivemind.utils.asyncio import "
+                     "_AsyncContextWrapper\nfuture = MPFuture()\nfuture.set_result(7)\n"
+                     "print(future.result(), _AsyncContextWrapper.get_process_wide_executor() is not None)\n")
+    with Zygote.start(env=SESSION_ENVIRONMENT) as own:
+        held = forked(own, tmp_path, cmd=[sys.executable, str(holder)], log="hold.log")
+        wait_for_line(tmp_path / "hold.log", "holding", held)
+        held.send_signal(signal.SIGKILL)
+        assert held.wait(timeout=60) == -signal.SIGKILL
+        made = forked(own, tmp_path, cmd=[sys.executable, str(maker)], log="make.log")
+        try:
+            assert made.wait(timeout=20) == 0, (tmp_path / "make.log").read_text()
+        finally:
+            made.kill()
+    assert (tmp_path / "make.log").read_text() == "7 True\n"

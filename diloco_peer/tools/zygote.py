@@ -255,6 +255,7 @@ def become(request: dict) -> None:
     import numpy
 
     numpy.random.seed()  # (``random`` reseeds itself in a forked child; numpy's global generator does not)
+    _own_hivemind_locks()
     argv = request["argv"]
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]  # (runpy puts the module's path first, as ``python -m`` does)
@@ -264,6 +265,24 @@ def become(request: dict) -> None:
         sys.argv = list(argv)
         sys.path[0] = str(Path(argv[0]).resolve().parent)  # (as ``python SCRIPT``: the script's directory first)
         runpy.run_path(argv[0], run_name="__main__")
+
+
+def _own_hivemind_locks() -> None:
+    """Give this command the process-shared locks a fresh process's import of hivemind would make.
+
+    hivemind makes some ``multiprocessing`` locks (semaphores in shared memory) as its modules are imported: the
+    ones every ``MPFuture`` takes as it is made, and its process-wide executor's. A fresh peer shares them only with
+    the processes it forks itself (its DHT and averager). Forked from the zygote, every command would share the
+    zygote's, and one process SIGKILLed or stopped while it held one would hang every MPFuture of every command
+    forked since or after, in any swarm (a suite's run: the peers of every test after a SIGKILL test hung in their
+    first DHT call, the bootstrap before its first line)."""
+    import multiprocessing
+
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()  # (hivemind's own: new MPFuture and SharedBytes locks, no backend of the zygote's)
+    _AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
 
 
 def _enter_network_namespace(name: str) -> None:
