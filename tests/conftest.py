@@ -23,10 +23,11 @@ from diloco_peer.tools.zygote import Zygote
 FAST = [
     "outer.inner_steps=10", "outer.round_length=steps", "run.threads=1", "averaging.heartbeat=1.0",
     "averaging.matchmaking_time=2.0", "averaging.request_timeout=1.0", "data.max_bytes=1_000_000",
-    "inner.batch_size=4",
+    "inner.batch_size=4", "data.seq_len=64",
 ]
-"""The tests' peers: short rounds and timeouts, a small corpus, and half the default batch: the suite's time is its
-peers' CPU, mostly training (BENCHMARKS.md, "The test suite's two lanes")."""
+"""The tests' peers: short rounds and timeouts, a small corpus, and half the default batch of sequences half the
+default length: the suite's time is its peers' CPU, much of it training (BENCHMARKS.md, "The test suite's two
+lanes")."""
 
 
 SESSION_ENVIRONMENT = dict(os.environ)

@@ -180,8 +180,9 @@ def test_installed_demo_three_peers_average_every_round_bit_identical_from_any_d
     assert summary["replicas_identical"] is True and len(set(summary["param_sha256"].values())) == 1
     # 30 inner steps of a byte-level model: from ln(256) ~ 5.5 to well under 4
     assert summary["eval_loss_last"] < summary["eval_loss_first"] - 1.0
-    batch = next(int(item.split("=")[1]) for item in FAST if item.startswith("inner.batch_size="))
-    assert summary["tokens_total"] == 3 * 3 * 10 * batch * 128  # peers, rounds, steps, sequences, tokens
+    batch, seq_len = (next(int(item.split("=")[1]) for item in FAST if item.startswith(key))
+                      for key in ("inner.batch_size=", "data.seq_len="))
+    assert summary["tokens_total"] == 3 * 3 * 10 * batch * seq_len  # peers, rounds, steps, sequences, tokens
     assert 0 < summary["compute_seconds"] and 0 < summary["wall_seconds"] < 300
     out = local_swarm.workdir / "demo"
     assert (out / "loss.png").stat().st_size > 10_000

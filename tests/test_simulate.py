@@ -20,11 +20,12 @@ from diloco_peer.tools.simulate import run_baseline, run_diloco
 from diloco_peer.training.model import build_model
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_cpu_k2.json"
-GOLDEN_SETS = [*FAST, "run.threads=1", "inner.batch_size=8"]  # the batch the stored curve was made with
+# the batch and sequence length the stored curve was made with
+GOLDEN_SETS = [*FAST, "run.threads=1", "inner.batch_size=8", "data.seq_len=128"]
 GOLDEN_ROUNDS = 4
 STUDY_SETS = [*FAST, "run.threads=1", "data.max_bytes=300_000"]
-"""The other simulations': the tests' half batch (FAST's), half the golden curve's compute per step: they check what
-the engines compute and compare runs with each other, not with a stored curve."""
+"""The other simulations': the tests' half batch of half-length sequences (FAST's), a quarter of the golden curve's
+compute per step: they check what the engines compute and compare runs with each other, not with a stored curve."""
 
 
 @pytest.mark.parametrize("name, bytes_per_value, bound", [
