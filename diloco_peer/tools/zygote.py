@@ -24,6 +24,8 @@ why only operator and test code uses it; where that shows:
   a command on a terminal (line-buffered output, a progress bar) must be started as a fresh process.
 - Its parent is the zygote, which reaps it and tells the caller its exit status over the connection the child was
   asked for on; ``Forked.returncode`` follows ``Popen``'s convention (``-N``: killed by signal N).
+- The process-shared locks hivemind makes as it is imported are the zygote's until the child makes its own, as
+  before the command runs (``_own_hivemind_locks``).
 
 ``multiprocessing``'s forkserver does the forking, but its children run a function as a ``multiprocessing``
 child (no ``atexit`` handlers, ``os._exit``; a named child process with a parent process object), not a command.
