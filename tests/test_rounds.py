@@ -238,7 +238,7 @@ def test_rounds_bounded_by_time_give_a_slow_peer_fewer_steps_and_nobody_waits(tm
 def test_a_peer_that_begins_its_round_late_trains_less_and_nobody_waits_for_it(tmp_path):
     """b's all-reduces end 0.1 s after a's (a loaded machine: 32 peers' rounds began up to 15 s apart), in rounds of
     ~0.3 s. From the second round (the first measured), b cuts its training by as much as it began after a, and both
-    come to the gate together: a trains H steps and does not wait for b."""
+    come to the gate together: a trains its H steps and does not wait for b."""
     cfg = OuterConfig(inner_steps=10, round_length="time")
     swarm = FakeSwarm(tmp_path, cfg)
     a = swarm.add("a", target=1.0, step_seconds=0.03)
@@ -248,7 +248,11 @@ def test_a_peer_that_begins_its_round_late_trains_less_and_nobody_waits_for_it(t
     assert outcomes(a) == outcomes(b) == ["averaged"] * 5
     late = b.records[1:5]  # the rounds trained after a late all-reduce
     assert all(r.late_seconds is not None and 0.07 < r.late_seconds < 0.2 for r in late), late
-    assert all(r.inner_steps < 10 for r in late) and all(r.inner_steps == 10 for r in a.records), late
+    # a is never late and trains its round: H steps, or one fewer where a loaded machine stretched its steps past
+    # the budget its earlier rounds measured (a fresh clone's unit lane: 9); b, late, trains fewer than a each round
+    trained = [(r.inner_steps, r.late_seconds) for r in a.records]
+    assert all(steps >= 9 and cut is None for steps, cut in trained), trained
+    assert all(r.inner_steps < ours.inner_steps for r, ours in zip(late, a.records[1:5])), (trained, late)
     waits = sorted(r.wait_seconds for r in a.records[1:5])
     assert waits[1] < 0.05, waits  # (b's 0.1 s: a waited for it, before)
     assert a.records[-1].late_seconds is None and same(a.outer.params, b.outer.params)
