@@ -24,8 +24,8 @@ why only operator and test code uses it; where that shows:
   a command on a terminal (line-buffered output, a progress bar) must be started as a fresh process.
 - Its parent is the zygote, which reaps it and tells the caller its exit status over the connection the child was
   asked for on; ``Forked.returncode`` follows ``Popen``'s convention (``-N``: killed by signal N).
-- The process-shared locks hivemind makes as it is imported are the zygote's until the child makes its own, as
-  before the command runs (``_own_hivemind_locks``).
+- The process-shared locks hivemind makes as it is imported are the zygote's until the child makes its own, which
+  it does before the command runs (``_own_hivemind_locks``).
 
 ``multiprocessing``'s forkserver does the forking, but its children run a function as a ``multiprocessing``
 child (no ``atexit`` handlers, ``os._exit``; a named child process with a parent process object), not a command.
@@ -276,8 +276,8 @@ def _own_hivemind_locks() -> None:
     ones every ``MPFuture`` takes as it is made, and its process-wide executor's. A fresh peer shares them only with
     the processes it forks itself (its DHT and averager). Forked from the zygote, every command would share the
     zygote's, and one process SIGKILLed or stopped while it held one would hang every MPFuture of every command
-    forked since or after, in any swarm (a suite's run: the peers of every test after a SIGKILL test hung in their
-    first DHT call, the bootstrap before its first line)."""
+    forked after it, in any swarm (a suite's run: the peers of every test after a SIGKILL test hung in their first
+    DHT call, the bootstrap before its first line)."""
     import multiprocessing
 
     from hivemind.utils.asyncio import _AsyncContextWrapper
