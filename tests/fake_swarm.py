@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,15 +160,17 @@ class HubSync:
 
 class PullTrainer:
     """Inner steps that move the replica a tenth of the way to ``target`` each (SGD on a quadratic, in effect), each
-    taking ``step_seconds`` (asleep: the peers' compute threads run side by side)."""
+    taking ``step_seconds`` (asleep: the peers' compute threads run side by side), or ``step_seconds(step)`` where it
+    is a function of the LR-schedule step (a device whose speed changes). ``highest``: the furthest LR position any
+    step trained at."""
 
-    def __init__(self, target: float, step_seconds: float = 0.0, shape=(4, 3)):
+    def __init__(self, target: float, step_seconds: float | Callable[[int], float] = 0.0, shape=(4, 3)):
         self.model = torch.nn.Linear(shape[1], shape[0])
         with torch.no_grad():
             for p in self.model.parameters():
                 p.fill_(0.0)
         self.target, self.step_seconds, self.device = target, step_seconds, torch.device("cpu")
-        self.position, self.stride = 0.0, 1.0
+        self.position, self.stride, self.highest = 0.0, 1.0, 0.0
 
     step = Trainer.step  # the LR-schedule position, as the real trainer keeps it
 
@@ -176,7 +179,8 @@ class PullTrainer:
         for _ in range(num_steps):
             if should_stop():
                 break
-            time.sleep(self.step_seconds)
+            time.sleep(self.step_seconds(self.step) if callable(self.step_seconds) else self.step_seconds)
+            self.highest = max(self.highest, self.position)
             with torch.no_grad():
                 for p in self.model.parameters():
                     p.sub_(0.1 * (p - self.target))
@@ -234,7 +238,7 @@ class FakeSwarm:
         self.peers: dict[str, Peer] = {}
 
     def add(self, name: str, target: float, faults: Faults = NO_FAULTS, joins_at: int = 0,
-            step_seconds: float = 0.0) -> Peer:
+            step_seconds: float | Callable[[int], float] = 0.0) -> Peer:
         trainer = PullTrainer(target, step_seconds)
         outer = OuterOptimizer(trainer.model, self.outer_cfg)
         rounds = OuterRounds(self.outer_cfg, self.averaging, 0, name, trainer=trainer, outer=outer,

@@ -258,6 +258,29 @@ def test_a_peer_that_begins_its_round_late_trains_less_and_nobody_waits_for_it(t
     assert a.records[-1].late_seconds is None and same(a.outer.params, b.outer.params)
 
 
+def test_a_round_bounded_by_time_ends_when_its_time_is_up_whatever_the_steps_planned(tmp_path):
+    """From round 3 a's steps take 20 ms instead of 10, and b's 10 ms instead of 30 (a busy machine's load moved from
+    one to the other). Both plan round 3 from their paces so far (a: H steps, b: about a third of them), and both
+    train until the round's time is up: a stops short of H instead of making b wait at the gate, b trains past its
+    plan instead of stopping there and waiting for a. The steps past a plan train at the LR of the round's end,
+    never further along the schedule."""
+    H = 10
+    cfg = OuterConfig(inner_steps=H, round_length="time")
+    swarm = FakeSwarm(tmp_path, cfg)
+    a = swarm.add("a", target=1.0, step_seconds=lambda step: 0.01 if step < 2 * H else 0.02)
+    b = swarm.add("b", target=3.0, step_seconds=lambda step: 0.03 if step < 2 * H else 0.01)
+    swarm.run(3)
+    assert outcomes(a) == outcomes(b) == ["averaged"] * 3
+    steps = [(ra.inner_steps, rb.inner_steps) for ra, rb in zip(a.records, b.records)]
+    assert steps[0] == (H, H) and steps[1][0] == H, steps
+    # (a's time holds about half its H steps now; b's plan was about steps[1][1], 3 while a trains 10)
+    assert steps[2][0] <= H - 3 and steps[2][1] >= 2 * steps[1][1], steps
+    for peer in (a, b):  # (the round's event says its budget: none in the first round, nothing measured yet)
+        assert [r.inner_step for r in peer.records] == [H * r.round for r in peer.records]
+        assert peer.records[0].budget_seconds is None and all(r.budget_seconds > 0 for r in peer.records[1:])
+    assert b.rounds.trainer.highest < 3 * H + 1e-9 and same(a.outer.params, b.outer.params)
+
+
 def test_a_late_start_is_cut_from_the_budget_by_the_rounds_first_start_and_bounded():
     pace = Pace(inner_steps=10, timed=True)
     first, second = _record("first", training_round=3, round_started=100.0), _record("second", training_round=3,
@@ -317,7 +340,8 @@ def test_contributions_of_unequal_steps_are_weighted_by_tokens_and_scaled_as_con
     b = swarm.add("b", target=3.0, step_seconds=0.02)
     swarm.run(2)
     (ra, rb), H = (a.records[1], b.records[1]), cfg.inner_steps
-    assert ra.inner_steps == H > rb.inner_steps and (ra.tokens, rb.tokens) == (100 * H, 100 * rb.inner_steps)
+    assert H >= ra.inner_steps > rb.inner_steps
+    assert (ra.tokens, rb.tokens) == (100 * ra.inner_steps, 100 * rb.inner_steps)
     outer = replayed(swarm.hub.means, 1, cfg)  # the outer weights round 2 started from
     expected = []
     for x in outer:

@@ -45,6 +45,8 @@ class InnerProgress:
         self.events.write("progress", peer=self.name, epoch=epoch, inner_step=inner_step, steps=stats.steps,
                           seconds=stats.seconds, loss=stats.loss, lr=stats.lr, tokens=stats.tokens,
                           tokens_per_second=tokens_per_second)
+        if done > self._bar.total:  # a round bounded by time trains past its plan while its time lasts
+            self._bar.total = done
         self._bar.update(stats.steps)
         self._bar.set_postfix_str(f"loss {stats.loss:.3f} | {tokens_per_second:,.0f} tok/s | lr {stats.lr:.1e}")
         if not self.tty and time.monotonic() - self.last_log >= PROGRESS_LOG_SECONDS:

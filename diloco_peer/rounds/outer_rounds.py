@@ -134,20 +134,22 @@ class OuterRounds:
         budget = self.pace.budget(self.exchange.records, own=self.progress.record.peer_id)
         planned = self.pace.planned_steps(budget)
         trainer.stride = H / planned
-        # a peer with time for H steps is the pace (or ties it): it trains H, whatever this round's noise; one that
-        # has not measured its steps yet (a newcomer) goes a step at a time, cut by the time its steps take
+        # a round bounded by time ends when its time is up (``RoundClock``), H steps at most, whatever the steps
+        # planned from our pace lately; one that has not measured its steps yet (a newcomer) goes a step at a time
         measured = self.pace.step_seconds is not None
-        clock = RoundClock(budget, self.pace.step_seconds, trainer, bounded=planned < H or not measured)
+        clock = RoundClock(budget, self.pace.step_seconds, trainer)
         late = asyncio.create_task(self._started(epoch, clock)) if budget is not None else None
         chunk = max(1, planned // PROGRESS_EVENTS_PER_ROUND) if measured or budget is None else 1
         arrival = self.schedule.arrival
         arrived = arrival.due if arrival is not None else lambda: False
         steps, tokens, seconds, weighted_loss = 0, 0, 0.0, 0.0
         self.shown.start(epoch, planned, done=0)
-        while steps < planned and not self.should_stop() and not clock.overdue():
+        while steps < H and not self.should_stop() and not clock.overdue():
             if arrived():
                 await self.compute.run(arrival.apply, start, trainer.step - epoch * H)
-            todo = min(chunk, planned - steps)
+            if steps >= planned:  # past the plan: these steps train at the LR of the round's end, never further
+                trainer.stride = 0.0
+            todo = min(chunk, (planned if steps < planned else H) - steps)
             clock.chunk_starts()
             stats = await self.compute.run(trainer.train_steps, todo,
                                            lambda: self.should_stop() or arrived() or clock.overdue())
@@ -165,7 +167,7 @@ class OuterRounds:
         if late is not None:
             late.cancel()
         return InnerResult(steps=steps, tokens=tokens, compute_seconds=seconds,
-                           train_loss=weighted_loss / max(steps, 1), late_seconds=cut)
+                           train_loss=weighted_loss / max(steps, 1), late_seconds=cut, budget_seconds=budget)
 
     async def _started(self, training_round: int, clock: RoundClock) -> float:
         """Our round's start goes into our record, then we read when the round's other peers began theirs: as much
@@ -305,5 +307,6 @@ class OuterRounds:
             inner_lr=self.trainer.current_lr(), outer_lr=self.outer_lr, inner_step=self.trainer.step,
             param_sha256=self.sync.state_hash, inner_steps=inner.steps,
             arrived_step=arrival.step if arrival is not None else None,
-            late_seconds=round(inner.late_seconds, 3) or None, density=result.density)
+            late_seconds=round(inner.late_seconds, 3) or None, density=result.density,
+            budget_seconds=round(inner.budget_seconds, 3) if inner.budget_seconds is not None else None)
 

@@ -10,7 +10,8 @@ or leaves it behind (its compute is thrown away). ``outer.round_length = "time"`
   (each peer publishes its own, as moving averages: ``step_seconds`` per inner step, ``work_seconds`` per round outside
   training and waiting: the outer step, the eval, the records).
 - A peer's training *budget* is the period less its own other work: a fast peer trains H steps; one five times
-  slower about H / 5, and both are ready at the same time. Its inner LR schedule strides H over the steps it trains
+  slower about H / 5, and both are ready at the same time. The budget's time ends the round (``RoundClock``), not
+  the steps planned from the pace (``planned_steps``). The inner LR schedule strides H over the steps planned
   (``Trainer.stride``), so every peer's schedule stays where the swarm's round is.
 - A claim is bounded: a period under ``1 / MAX_SPREAD`` of the peers' median counts as that, so one peer that
   claims to be a thousand times faster cannot shrink everyone's rounds to one step.
@@ -173,14 +174,15 @@ class RoundClock:
     (those are the round's other work, which the budget has left out already). ``trainer``'s LR position says when
     the first step is done.
 
+    The time ends every peer's round, the fastest's too: on a busy machine a round's steps go slower or faster than
+    the pace measured lately, and a peer that trained the steps planned from it (H for the fastest) came to the gate
+    early or late, where the others waited for it or it for them (BENCHMARKS.md, "Unequal volunteers").
+
     :param budget: our seconds of training in the round (None: H steps, not a time)
-    :param bounded: whether the budget ends the round (else the planned steps do: a peer with time for H steps trains
-        H, whatever this round's noise), until a late start cuts it (``cut``)
     """
 
-    def __init__(self, budget: float | None, step_seconds: float | None, trainer: Trainer, bounded: bool = True):
+    def __init__(self, budget: float | None, step_seconds: float | None, trainer: Trainer):
         self.budget = budget
-        self.bounded = bounded and budget is not None
         self.step_seconds = step_seconds
         """Our seconds per inner step, lately (None: not measured yet; the steps of this round tell)."""
         self.trainer = trainer
@@ -191,12 +193,10 @@ class RoundClock:
 
     def cut(self, seconds: float) -> float:
         """We began the round ``seconds`` after its first peer (``Pace.late``): it ends that much earlier for us. A
-        cut under half a step changes nothing (the overrun covers it), and leaves a peer that trains H steps
-        unbounded. The seconds cut (0: none)."""
+        cut under half a step changes nothing (the overrun covers it). The seconds cut (0: none)."""
         if self.budget is None or seconds < 0.5 * (self.step_seconds or 0.0) or seconds <= 0:
             return 0.0
         self.budget -= seconds  # (the compute thread reads it between two steps: one float, written once)
-        self.bounded = True
         return seconds
 
     def chunk_starts(self) -> None:
@@ -208,7 +208,7 @@ class RoundClock:
         self.chunk_started = None
 
     def overdue(self) -> bool:
-        if not self.bounded or self.trainer.position <= self.first:
+        if self.budget is None or self.trainer.position <= self.first:
             return False
         running = time.monotonic() - self.chunk_started if self.chunk_started is not None else 0.0
         step = self.step_seconds or (self.trained / self.steps if self.steps else running)

@@ -20,6 +20,8 @@ class InnerResult:
     """Mean training loss over the round's steps."""
     late_seconds: float = 0.0
     """Seconds cut from the round's training: we began it after the round's first peer (``Pace.late``)."""
+    budget_seconds: float | None = None
+    """Rounds bounded by time: the seconds of training the round was planned for (``Pace.budget``); None: H steps."""
 
 
 @dataclass
@@ -71,6 +73,9 @@ class RoundRecord:
     late_seconds: float | None = None
     """Seconds cut from this round's training because this peer began it after the round's first peer
     (``Pace.late``); None (absent from the event): no cut."""
+    budget_seconds: float | None = None
+    """Rounds bounded by time: the seconds of training this peer planned for the round (the swarm's period less its
+    own other work, ``Pace.budget``), before any cut; None (absent from the event): H steps, not a time."""
     first_contribution_seconds: float | None = None
     """Set on the first round this peer averaged with others: seconds from process start."""
 
