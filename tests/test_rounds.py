@@ -272,7 +272,8 @@ def test_a_round_bounded_by_time_ends_when_its_time_is_up_whatever_the_steps_pla
     swarm.run(3)
     assert outcomes(a) == outcomes(b) == ["averaged"] * 3
     steps = [(ra.inner_steps, rb.inner_steps) for ra, rb in zip(a.records, b.records)]
-    assert steps[0] == (H, H) and steps[1][0] == H, steps
+    # a trains its H steps in round 2, or one fewer where a loaded machine stretched them past the pace it measured
+    assert steps[0] == (H, H) and steps[1][0] >= H - 1, steps
     # (a's time holds about half its H steps now; b's plan was about steps[1][1], 3 while a trains 10)
     assert steps[2][0] <= H - 3 and steps[2][1] >= 2 * steps[1][1], steps
     for peer in (a, b):  # (the round's event says its budget: none in the first round, nothing measured yet)
@@ -418,8 +419,10 @@ def test_the_bound_on_the_averages_norm_grows_for_a_pseudo_gradient_of_fewer_ste
     swarm.run(2)
     steps = b.records[1].inner_steps
     assert steps < 20 and all(r.outcome == "averaged" for r in (*a.records, *b.records))
-    assert a.rounds._update_ratio() == 10.0
-    assert b.rounds._update_ratio() == pytest.approx(10.0 * 20 / steps if contribution == "tokens" else 10.0)
+    # (a trains its 20 steps, or one fewer where a loaded machine stretched them past the pace it measured)
+    for peer, trained in ((a, a.records[1].inner_steps), (b, steps)):
+        expected = 10.0 * 20 / trained if contribution == "tokens" else 10.0
+        assert peer.rounds._update_ratio() == pytest.approx(expected), (peer.name, trained)
 
 
 def test_the_contribution_scale():
