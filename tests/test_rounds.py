@@ -301,6 +301,13 @@ def test_the_pace_of_a_round_bounded_by_time():
     # a newcomer in a running swarm trains for its period (less the peers' median work), cut by time as it goes
     others = [_record("fast", step_seconds=0.1, work_seconds=0.5), _record("slow", step_seconds=0.3, work_seconds=0.7)]
     assert pace.budget(others, own="me") == pytest.approx(1.0) and pace.planned_steps(1.0) == 10
+    # our steps measured, our work not yet: the peers' work at our speed (3x fast's, 1x slow's: the median 0.7)
+    measured = Pace(inner_steps=10, timed=True)
+    measured.trained(steps=2, seconds=0.6)
+    assert measured.own_work(others, own="me") == pytest.approx(0.7)
+    assert measured.budget(others, own="me") == pytest.approx(10 * 0.1 + 0.5 - 0.7)
+    measured.trained(steps=1, seconds=2.1)  # a step of 1.2 s now: 12x and 4x their work, 2.8 s
+    assert measured.own_work(others, own="me") == pytest.approx(2.8) and measured.budget(others, own="me") == 0.0
     pace.trained(steps=10, seconds=5.0)  # 0.5 s a step
     assert pace.fields() == {"step_seconds": 0.5}
     pace.ended(round_seconds=7.0, train_seconds=5.0, waited_seconds=1.0)  # 1 s of work
@@ -310,8 +317,8 @@ def test_the_pace_of_a_round_bounded_by_time():
     assert pace.period([me, fast], own="me") == 1.5
     assert pace.budget([me, fast], own="me") == 0.5 and pace.planned_steps(0.5) == 1  # 1.5 s less our 1 s of work
     assert pace.budget([me], own="me") == 5.0 and pace.planned_steps(5.0) == 10  # alone, we are the pace
-    new = _record("new", step_seconds=0.1)  # its work not said yet: as much as ours
-    assert pace.period([me, new], own="me") == 2.0
+    new = _record("new", step_seconds=0.1)  # its work not said yet: ours at its speed, a fifth of our 1 s
+    assert pace.period([me, new], own="me") == pytest.approx(1.2)
     liar = _record("liar", step_seconds=1e-9, work_seconds=0.0)  # bounded: the median round over MAX_SPREAD
     assert pace.period([me, fast, liar], own="me") == pytest.approx(1.5 / MAX_SPREAD)
     assert Pace(inner_steps=10, timed=False).budget([me, fast], own="me") is None

@@ -85,9 +85,11 @@ class Pace:
     def period(self, records: list[ProgressRecord], own: str = "") -> float | None:
         """The round's period: the fastest peer's round of H steps, in seconds (None: nobody measured yet). Our own
         record (peer id ``own``) counts as we measure ourselves now; a peer that has not said its work yet (its first
-        round) is taken to have as much as we do."""
+        round) is taken to have as much as we do, at its speed (``at_pace``: a slow volunteer that took the fast
+        peers' work for as long as its own planned a round a second too long, and they waited for it)."""
         work = self.own_work(records, own)
-        rounds = [self.inner_steps * r.step_seconds + (r.work_seconds if r.work_seconds is not None else work)
+        rounds = [self.inner_steps * r.step_seconds
+                  + (r.work_seconds if r.work_seconds is not None else at_pace(work, self.step_seconds, r.step_seconds))
                   for r in records if r.step_seconds is not None and r.peer_id != own]
         if self.step_seconds is not None:
             rounds.append(self.inner_steps * self.step_seconds + work)
@@ -96,10 +98,12 @@ class Pace:
         return max(min(rounds), statistics.median_low(rounds) / MAX_SPREAD)
 
     def own_work(self, records: list[ProgressRecord], own: str = "") -> float:
-        """Our work per round outside training and waiting: as measured, or (a newcomer) the peers' median."""
+        """Our work per round outside training and waiting: as measured, or (not measured yet) the peers' median,
+        each at our speed (``at_pace``)."""
         if self.work_seconds is not None:
             return self.work_seconds
-        said = [r.work_seconds for r in records if r.work_seconds is not None and r.peer_id != own]
+        said = [at_pace(r.work_seconds, r.step_seconds, self.step_seconds)
+                for r in records if r.work_seconds is not None and r.peer_id != own]
         return statistics.median_low(said) if said else 0.0
 
     def budget(self, records: list[ProgressRecord], own: str = "") -> float | None:
@@ -213,6 +217,15 @@ class RoundClock:
         running = time.monotonic() - self.chunk_started if self.chunk_started is not None else 0.0
         step = self.step_seconds or (self.trained / self.steps if self.steps else running)
         return self.trained + running + step - overrun(self.budget, step) > self.budget
+
+
+def at_pace(seconds: float, step_seconds: float | None, other_step_seconds: float | None) -> float:
+    """``seconds`` of a round's other work, done by a peer of ``step_seconds`` per inner step, as a peer of
+    ``other_step_seconds`` takes it (as it is where either is not known): the eval and the outer step are compute as
+    the inner steps are, and a device seven times slower at those is about as slow at these."""
+    if not step_seconds or not other_step_seconds:
+        return seconds
+    return seconds * other_step_seconds / step_seconds
 
 
 def overrun(budget: float, step_seconds: float) -> float:
