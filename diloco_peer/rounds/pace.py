@@ -86,7 +86,7 @@ class Pace:
         """The round's period: the fastest peer's round of H steps, in seconds (None: nobody measured yet). Our own
         record (peer id ``own``) counts as we measure ourselves now; a peer that has not said its work yet (its first
         round) is taken to have as much as we do, at its speed (``at_pace``: a slow volunteer that took the fast
-        peers' work for as long as its own planned a round a second too long, and they waited for it)."""
+        peers' work for as long as its own planned too long a round, and they waited for it)."""
         work = self.own_work(records, own)
         rounds = [self.inner_steps * r.step_seconds
                   + (r.work_seconds if r.work_seconds is not None else at_pace(work, self.step_seconds, r.step_seconds))
