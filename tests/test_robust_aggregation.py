@@ -18,6 +18,7 @@ from diloco_peer.averaging.averager import RoundAverager
 from diloco_peer.averaging.pseudo_gradient_averager import PseudoGradientAverager
 from diloco_peer.averaging.robust_aggregation import (
     MIN_DIRECTION_VALUES,
+    NOISE_SIGMAS,
     BadContribution,
     BanList,
     CheckedPartReducer,
@@ -215,22 +216,69 @@ def test_a_part_slightly_against_the_group_is_refused_but_counts_towards_a_ban_o
         assert ("not counted towards a ban" in refused[0][1].detail) is not counts
         every = Limits(robust=True, ban_cosine=0.0)  # ban_cosine = min_cosine: every direction refusal counts
         assert [p.counts for _, p in aggregate(parts, own=0, limits=every)[1]] == [True]
-        assert _kind(check_average, part, base, Limits(robust=True)) == "direction"  # (counted: settle_disputes)
+        with pytest.raises(BadContribution) as caught:  # a member judges an average it gets back by the same rule
+            check_average(part, base, Limits(robust=True))
+        assert (caught.value.kind, caught.value.counts) == ("direction", counts)  # (and ``settle_disputes``'s)
 
 
-def test_a_member_counts_a_reducers_rotated_averages_only_if_another_reducers_averages_agreed():
-    """A member judges the averages a reducer sends back against its own part alone. The honest home1 of the CI run,
-    off for three rounds, refused every reducer's averages that way and banned them all; a reducer that rotates the
-    averages it returns is refused by members whose other reducers agree with them."""
+def test_a_part_that_carries_no_signal_is_kept_and_its_peer_takes_the_average_but_one_against_the_group_is_not():
+    """A 16-peer demo: a reducer dropped an honest part at cosine -0.00 with the group's median (its peer's steps
+    were noise in that span), and that peer then refused the span's average, which points a little away from a part
+    left out of it, and ended its round partial. A cosine is below a bound only beyond the spread of two unrelated
+    vectors' cosine (``NOISE_SIGMAS`` / sqrt(values)), at the reducer and at the member alike."""
+    gen = torch.Generator().manual_seed(6)
+    n = 27648
+    spread = 1 / n ** 0.5
+    signal = torch.randn(n, generator=gen)
+    honest = [signal + 2 * torch.randn(n, generator=gen) for _ in range(15)]
+    unit = signal / signal.norm()
+    noise = torch.randn(n, generator=gen) * 2
+
+    def with_median(lean: float):  # the part leaning ``lean`` along the signal, and its cosine with the median
+        part = noise + lean * noise.norm() * unit
+        median = coordinate_median([*honest, part])
+        return part, median, float(torch.nn.functional.cosine_similarity(part.double(), median.double(), dim=0))
+
+    for target, kept in ((-0.5 * NOISE_SIGMAS * spread, True), (-2 * NOISE_SIGMAS * spread, False)):
+        low, high = -1.0, 1.0  # (the median follows the part a little: find the lean that gives the cosine)
+        for _ in range(40):
+            middle = (low + high) / 2
+            low, high = (middle, high) if with_median(middle)[2] < target else (low, middle)
+        part, median, cosine = with_median(high)
+        assert cosine == pytest.approx(target, abs=spread / 10)
+        parts = {i: (p, 1.0) for i, p in enumerate([*honest, part])}
+        result, refused = aggregate(parts, own=0, limits=Limits(robust=True))
+        assert [s for s, _ in refused] == ([] if kept else [15]), refused
+        if kept:
+            check_average(median, part, Limits(robust=True))  # its peer takes an average that leans as little away
+        else:
+            assert not refused[0][1].counts  # against the group, yet nothing like a sign flip: not counted
+            with pytest.raises(BadContribution):
+                check_average(median, part, Limits(robust=True))
+
+
+def test_a_member_counts_a_reducers_averages_against_it_only_if_they_point_clearly_away_and_others_agreed():
+    """A member judges the averages a reducer sends back against its own part alone. The honest home1 of a CI run,
+    off for three rounds, refused every reducer's averages that way and banned them all; a reducer that flips the
+    averages it returns is refused by members whose other reducers agree with them. And an honest reducer that
+    left a member's part out of its span's average (it pointed against the group's median there: a 16-peer demo)
+    returns an average a little against that part: refused, never counted."""
+    gen = torch.Generator().manual_seed(5)
+    own = torch.randn(4000, generator=gen)
+    flipped, left_out = -own, -0.05 * own + torch.randn(4000, generator=gen)
     reported = []
-    problem = BadContribution("direction", "averaged part's cosine with ours -0.12 (averaging.min_cosine=0)")
-    for agreed, counts in ((set(), False), ({"honest reducer"}, True)):
-        runner = types.SimpleNamespace(_disputed=[("rotating reducer", problem)], _agreed=agreed,
+    for average, agreed, counts in ((flipped, set(), False), (flipped, {"honest reducer"}, True),
+                                    (left_out, {"honest reducer"}, False), (left_out, set(), False)):
+        with pytest.raises(BadContribution) as caught:
+            check_average(average, own, Limits(robust=True))
+        problem = caught.value
+        runner = types.SimpleNamespace(_disputed=[("reducer", problem)], _agreed=agreed,
                                        _on_offense=lambda peer, p: reported.append((peer, p.kind, p.counts, p.detail)))
         ExactAllReduceRunner.settle_disputes(runner)
         peer, kind, counted, detail = reported.pop()
-        assert (peer, kind, counted, runner._disputed) == ("rotating reducer", "direction", counts, [])
-        assert ("no other reducer's averages agreed" in detail) is not counts and detail.startswith(problem.detail)
+        assert (peer, kind, counted, runner._disputed) == ("reducer", "direction", counts, [])
+        assert detail.startswith(problem.detail) and ("not counted towards a ban" in detail) is not counts
+        assert ("no other reducer's averages agreed" in detail) is (problem.counts and not agreed)
 
 
 def test_a_refusal_that_does_not_count_is_reported_but_bans_nobody():

@@ -191,13 +191,17 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     def settle_disputes(self) -> None:
         """Report the reducers whose averages we refused by direction, once the all-reduce is over. Such a refusal
-        is judged against our own part alone, so it counts towards a ban only if another reducer's averages passed
-        the same check: then the group agrees with us and that reducer is the odd one out (one that rotates the
-        averages it returns is banned by the members it reduces for). If no other reducer's did, we may be the one
-        off (an honest peer in CI refused every reducer's averages for three rounds, banned them all and trained
-        alone): refused, not counted; the round's un-averaged values make us check our state against the swarm's."""
+        is judged against our own part alone, so it counts towards a ban only where the average points clearly
+        against our part (below ``ban_cosine``, as a sender's part must: ``robust_aggregation._direction``) and
+        another reducer's averages passed the same check: then the group agrees with us and that reducer is the
+        odd one out (one that flips the averages it returns is banned by the members it reduces for). An honest
+        reducer that left our part out of its span's average, as pointing against the group's median there, sends
+        back an average that points slightly away from it (BENCHMARKS.md, "Many peers"). If no other reducer's
+        averages passed, we may be the one off (an honest peer in CI refused every reducer's averages for three
+        rounds, banned them all and trained alone). Either way the average is refused, and the round's un-averaged
+        values make us check our state against the swarm's."""
         for peer_id, problem in self._disputed:
-            if not self._agreed:
+            if problem.counts and not self._agreed:
                 problem = BadContribution(problem.kind, f"{problem.detail}; not counted towards a ban: no other "
                                                         f"reducer's averages agreed with our part", counts=False)
             self._on_offense(peer_id, problem)

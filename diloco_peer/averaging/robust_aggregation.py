@@ -9,9 +9,9 @@ broken hardware, buggy forks and attackers, so here every number is checked wher
   ours in a pair), and a norm at most ``max_update_ratio`` times the median part's (ours in a pair: ``_references``).
   In ``robust`` mode, once a part is in from every sender,
   parts pointing against the group (groups of 3+, parts of ``MIN_DIRECTION_VALUES`` or more: cosine with the
-  coordinate-wise median below ``min_cosine``) are dropped and the rest are clipped to the median norm and
-  averaged with weights clipped to the median weight, so that no single member can move the average far,
-  whatever it sends;
+  coordinate-wise median below ``min_cosine`` beyond noise, ``below``) are dropped and the rest are clipped to the
+  median norm and averaged with weights clipped to the median weight, so that no single member can move the average
+  far, whatever it sends;
 - **as a member**, each averaged part a reducer sends back (``check_average``): shape, finite, norm against
   our own part; in robust mode its direction too (parts of ``MIN_DIRECTION_VALUES`` or more);
 - **after the round**, the whole average (``refuse_update``), the last line of defence.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -100,6 +101,20 @@ MIN_DIRECTION_VALUES = 1024
 noise: in a clean K=8 run (bench/robust_quality.py) honest 96-value RMSNorm weights had cosines of -0.02 to
 -0.12 with the group's median and were refused as offenses. Shorter parts are still clipped to the median
 norm and weight, which bounds what any one member moves them by (SECURITY.md)."""
+
+
+NOISE_SIGMAS = 3.0
+"""A cosine is below a bound only where it is below it by more than this many times the spread of the cosine of two
+unrelated vectors of its length (1 / sqrt(values)). An honest part that carries no signal in a span (a peer whose
+steps there were mostly noise) is orthogonal to the group's median, not against it, and its cosine scatters around
+zero by that spread: dropped at ``min_cosine`` 0, it was lost to the average, and its peer then refused that
+span's average in turn (it points away from a part left out of it) and ended its round partial (BENCHMARKS.md,
+"Many peers"). A sign flip, or a part clearly against the group, is many spreads below."""
+
+
+def below(cosine: float, bound: float, values: int) -> bool:
+    """Whether ``cosine``, between vectors of ``values`` values, is below ``bound`` beyond noise (``NOISE_SIGMAS``)."""
+    return cosine < bound - NOISE_SIGMAS / math.sqrt(max(values, 1))
 
 
 def _norm(t: torch.Tensor) -> float:
@@ -199,7 +214,7 @@ def aggregate(parts: dict[int, tuple[torch.Tensor, float]], own: int | None,
             cosine = float(torch.nn.functional.cosine_similarity(p.double().flatten(), reference, dim=0))
             # a light part (a slow volunteer's few steps: noisy) is refused for a clear sign flip only; what it
             # moves the average by is bounded by its weight, and its norm is clipped to the median's below
-            if cosine < (limits.ban_cosine if is_light(w, weights) else limits.min_cosine):
+            if below(cosine, limits.ban_cosine if is_light(w, weights) else limits.min_cosine, p.numel()):
                 against.add(s)
                 if s != own:
                     refused.append((s, _direction("cosine with the group's median", cosine, limits)))
@@ -243,9 +258,8 @@ def check_average(averaged: torch.Tensor, own_part: torch.Tensor, limits: Limits
     if limits.robust and own_norm > 0 and norm > 0 and own_part.numel() >= MIN_DIRECTION_VALUES:
         cosine = float(torch.nn.functional.cosine_similarity(averaged.double().flatten(),
                                                              own_part.double().flatten(), dim=0))
-        if cosine < limits.min_cosine:  # (counted or not: ``allreduce.ExactAllReduceRunner.settle_disputes``)
-            raise BadContribution("direction", f"averaged part's cosine with ours {cosine:.2f} "
-                                               f"(averaging.min_cosine={limits.min_cosine:g})")
+        if below(cosine, limits.min_cosine, own_part.numel()):  # counted as ``_direction`` says, if the others agree
+            raise _direction("averaged part's cosine with ours", cosine, limits)  # (``settle_disputes``)
 
 
 def _outcome_seen(task: asyncio.Future) -> None:

@@ -296,7 +296,9 @@ class AveragingConfig(_Section):
     it costs and what it stops"). ``join`` warns when it runs ``mean``."""
     min_cosine: float = Field(0.0, ge=-1.0, le=1.0)
     """Robust aggregation: the lowest cosine similarity a part may have with the group's coordinate-wise
-    median (groups of 3 or more; two cannot tell which of them is off)."""
+    median (groups of 3 or more; two cannot tell which of them is off), beyond noise: a cosine within 3 / sqrt(the
+    part's values) of it is not below it (``robust_aggregation.below``). A member judges the averages it gets back
+    against its own part by the same bound."""
     ban_cosine: float = Field(-0.5, ge=-1.0, le=1.0)
     """Robust aggregation: a part a reducer refuses for its direction counts towards a ban (``ban_after``) only if
     its cosine is below this as well; between ``ban_cosine`` and ``min_cosine`` it is refused, not counted. A
@@ -305,8 +307,8 @@ class AveragingConfig(_Section):
     the default, honest parts in clean runs above zero, and an honest peer after a relay loss slightly below it,
     which two offenses then banned (measured: BENCHMARKS.md, "Robust aggregation: what it costs and what it
     stops"). Set it to ``min_cosine`` to count every such refusal. (A member refusing a reducer's averages by
-    direction, judged against its own part alone, counts it only if another reducer's averages passed:
-    ``allreduce.py``.)"""
+    direction, judged against its own part alone, counts it only below this too, and only if another reducer's
+    averages passed: ``allreduce.py``.)"""
     ban_after: int = Field(2, ge=1)
     """Refused contributions (any kind) within ``ban_seconds`` after which a peer is banned: it cannot join
     our groups, be in a group we average in, or download our state."""
