@@ -247,7 +247,7 @@ def test_a_part_that_carries_no_signal_is_kept_and_its_peer_takes_the_average_bu
         part, median, cosine = with_median(high)
         assert cosine == pytest.approx(target, abs=spread / 10)
         parts = {i: (p, 1.0) for i, p in enumerate([*honest, part])}
-        result, refused = aggregate(parts, own=0, limits=Limits(robust=True))
+        _, refused = aggregate(parts, own=0, limits=Limits(robust=True))
         assert [s for s, _ in refused] == ([] if kept else [15]), refused
         if kept:
             check_average(median, part, Limits(robust=True))  # its peer takes an average that leans as little away
