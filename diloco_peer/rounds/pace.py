@@ -222,7 +222,7 @@ class RoundClock:
 def at_pace(seconds: float, step_seconds: float | None, other_step_seconds: float | None) -> float:
     """``seconds`` of a round's other work, done by a peer of ``step_seconds`` per inner step, as a peer of
     ``other_step_seconds`` takes it (as it is where either is not known): the eval and the outer step are compute as
-    the inner steps are, and a device seven times slower at those is about as slow at these."""
+    the inner steps are, and a device many times slower at those is about as slow at these."""
     if not step_seconds or not other_step_seconds:
         return seconds
     return seconds * other_step_seconds / step_seconds
