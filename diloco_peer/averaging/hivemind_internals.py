@@ -43,6 +43,7 @@ RUNNER = "hivemind.averaging.allreduce.AllReduceRunner"
 CONTAINER = "hivemind.averaging.partition.TensorPartContainer"
 REDUCER = "hivemind.averaging.partition.TensorPartReducer"
 CONTROL = "hivemind.averaging.control.StepControl"
+LEADERS = "hivemind.averaging.matchmaking.PotentialLeaders"
 
 _OURS = "pseudo_gradient_averager.PseudoGradientAverager"
 
@@ -120,6 +121,11 @@ INVENTORY = (
     PrivateUse(MATCHMAKING, "_check_reasons_to_reject", "relies",
                "set_target_group_size: a full group turns further peers away (GROUP_IS_FULL)",
                ("request", "context"), "c694e8194862154f80c71315a9a91813d01c907668a4fba8d1f29c88fe7618d3"),
+    PrivateUse(LEADERS, "_update_queue_periodically", "relies",
+               "leader_search.pace: the leader queue is read through the key manager's get_averagers, and only there",
+               ("key_manager",), "13036c7d743da89efd85ef93befc61463e1e45d87bdb6d07e97b46fa7e4ba580"),
+    PrivateUse(KEY_MANAGER, "get_averagers", "patch", "leader_search.pace (per averager instance): paced reads",
+               ("group_key", "only_active")),
     PrivateUse(KEY_MANAGER, "update_key_on_group_assembled", "relies",
                "set_target_group_size: the group bits follow the key manager's own target_group_size, left alone",
                ("group_info",), "aa20396d475cbcdadadc14b3ed26f0788438a0320821549ac83e80a5c82afbbd"),

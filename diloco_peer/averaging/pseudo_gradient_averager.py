@@ -41,7 +41,7 @@ from ..swarm.admission import Admission
 from ..swarm.p2pd_internals import until_the_caller_hangs_up
 from ..training.outer_optimizer import flat_tensors
 from . import hivemind_internals as internals
-from . import assembly_grace, hand_in, round_log, state_transfer, traffic, vector_split
+from . import assembly_grace, hand_in, leader_search, round_log, state_transfer, traffic, vector_split
 from .allreduce import ExactAllReduceRunner
 from .member_news import MemberNews
 from .membership import Membership
@@ -133,6 +133,7 @@ class PseudoGradientAverager(hand_in.HandInService, DecentralizedAverager):
         internals.reject_stale_join_requests(self, lambda context: self._join_arrivals.get(id(context)))
         internals.grow_target_with_followers(self, lambda request: self.members.expected(request.gather))
         internals.leave_out_before_assembly(self, lambda requests: self.members.left_out(requests, self.peer_id))
+        leader_search.pace(self)  # a leader no longer reads the DHT back to back while it gathers its group
         self._step_control = kwargs.get("step")  # (see _refuse_group)
         try:
             return await super()._step(**kwargs)
