@@ -5,6 +5,8 @@ process (the ``peers`` fixture of ``conftest.py`` makes them)."""
 from __future__ import annotations
 
 import hashlib
+import random
+import socket
 import subprocess
 
 import torch
@@ -23,6 +25,23 @@ from diloco_peer.training.trainer import Trainer
 PEER_ID = "12D3KooWHQEFuYFG1pGNfSsfDsM5nCiACFRgDLDg5faqtUaKTuzT"
 GOOD_ADDR = f"/ip4/127.0.0.1/tcp/9/p2p/{PEER_ID}"
 """A well-formed bootstrap address where nobody listens."""
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now, below the kernel's ephemeral range. A port the kernel picks (a bind to port 0)
+    is in that range, and the kernel may pick it again for the next process that listens on port 0 (the p2pd of
+    the swarm the test starts next): a peer's metrics port was taken so, between the pick and the peer's start."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    for _ in range(100):
+        port = random.randrange(10_000, ephemeral)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use: another
+                continue
+            return port
+    raise RuntimeError(f"no free port found below {ephemeral}")
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -4,7 +4,6 @@ metrics endpoints are checked in the same run)."""
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import diloco_cmd, require_tool
+from helpers import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,12 +51,6 @@ def test_the_dashboards_are_the_ones_named_and_provisioned_with_the_datasource_t
                  if ds != {"type": "prometheus", "uid": source["uid"]}]
         assert not wrong, f"not the provisioned datasource (uid {source['uid']!r}):\n" + "\n".join(wrong)
     assert len(set(uids)) == len(uids), uids
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -114,7 +108,7 @@ def test_a_real_swarm_serves_metrics_and_health_and_every_dashboard_panel_shows_
     in-process tests feed from events, served over HTTP by a running peer), then every dashboard panel's query on a
     real Prometheus scraping the bootstrap and both peers, and ``status``; the peers leave on SIGTERM and their
     metrics servers go with them."""
-    boot_port, prom_port, peer_ports = _free_port(), _free_port(), [_free_port(), _free_port()]
+    boot_port, prom_port, peer_ports = free_port(), free_port(), [free_port(), free_port()]
     address = local_swarm.start_bootstrap("--metrics-port", str(boot_port))
     sets = ["averaging.min_peers=2", "outer.inner_steps=5", f"checkpoint.dir={json.dumps(str(tmp_path / 'ckpt'))}"]
     procs = [local_swarm.start_peer(f"p{i}", *sets, f"metrics.port={port}") for i, port in enumerate(peer_ports)]

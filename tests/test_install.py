@@ -12,7 +12,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -24,17 +23,12 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import FAST, LocalSwarm, orphaned_p2pd_pids, wait_for_line, wait_until
+from helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ROOT / "configs"
 CPU_PRESETS = {"tiny-cpu"}  # the shipped configs that train on a CPU; the others need a GPU and `.[hf]` data
 EXIT_UNREACHABLE = 3  # cli.EXIT_UNREACHABLE: no bootstrap answered within swarm.join_timeout
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _compose() -> dict:
@@ -207,7 +201,7 @@ class ComposeOnLoopback:
         self.image_volumes = _dockerfile("VOLUME")
         probed = re.findall(r"127\.0\.0\.1:(\d+)", json.dumps(compose))
         published = [str(p).split(":")[-1] for s in self.services.values() for p in s.get("ports", [])]
-        self.ports = {port: str(_free_port()) for port in {*probed, *published}}
+        self.ports = {port: str(free_port()) for port in {*probed, *published}}
 
     def volume(self, name: str) -> Path:
         path = self.root / "volumes" / name
@@ -265,7 +259,7 @@ def test_installed_cli_runs_every_shipped_config_and_the_compose_services(instal
     assert presets == sorted(p.stem for p in PRESETS.glob("*.toml")) and CPU_PRESETS <= set(presets)
     # the configs that cannot train here: found and validated, then exit 3 from a bootstrap nobody answers
     # (a config that is not found or not valid exits 2 before any joining)
-    nobody = re.sub(r"/tcp/\d+/", f"/tcp/{_free_port()}/", address)
+    nobody = re.sub(r"/tcp/\d+/", f"/tcp/{free_port()}/", address)
     joins = {}
     for name in presets:
         trains = name in CPU_PRESETS
