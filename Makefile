@@ -11,15 +11,17 @@ ROUNDS ?= 5
 
 install: $(VENV)/.installed
 
-# pip byte-compiles what it installs one file at a time; compileall does it on every core, a fresh install markedly
-# faster (measured: BENCHMARKS.md, "Leaving and installing"). Not compiling at all is no way out: where
-# PYTHONDONTWRITEBYTECODE is set (as in some CI shells) every process would compile torch's modules again. Its -qq
-# and `|| true`: a few files are for newer Pythons (torch's py312 test helpers), which pip skips the same way.
+# Nothing is byte-compiled at install: the first process to import a module writes its bytecode, and every later
+# one reads it. Where PYTHONDONTWRITEBYTECODE is set (as in some CI shells) no process would ever write it, and each
+# would compile torch's modules again: so our recipes run without it. Compiling the whole venv up front (compileall,
+# or pip's own) costs more than it saves: the suite and the demo import a tenth of its files (BENCHMARKS.md,
+# "Leaving and installing").
+unexport PYTHONDONTWRITEBYTECODE
+
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet --no-compile -e ".[test]"
-	$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 	touch $@
 
 demo: install
