@@ -262,10 +262,11 @@ def test_a_peer_that_begins_its_round_late_trains_less_and_nobody_waits_for_it(t
 
 def test_a_round_bounded_by_time_ends_when_its_time_is_up_whatever_the_steps_planned(tmp_path):
     """From round 3 a's steps take 40 ms instead of 20, and b's 20 ms instead of 60 (a busy machine's load moved from
-    one to the other; not shorter: a loaded lane stretched a's 10 ms sleeps until it fitted 8 of its 10 in round 2). Both plan round 3 from their paces so far (a: H steps, b: about a third of them), and both
-    train until the round's time is up: a stops short of H instead of making b wait at the gate, b trains past its
-    plan instead of stopping there and waiting for a. The steps past a plan train at the LR of the round's end,
-    never further along the schedule."""
+    one to the other; no shorter: a loaded lane stretched a's 10 ms sleeps until it fitted 8 of its 10 in round 2).
+    Both plan round 3 from their paces so far (a: H steps, b: about a third of them), and both train until the
+    round's time is up: a stops short of H instead of making b wait at the gate, b trains past its plan instead of
+    stopping there and waiting for a. The steps past a plan train at the LR of the round's end, never further along
+    the schedule."""
     H = 10
     cfg = OuterConfig(inner_steps=H, round_length="time")
     swarm = FakeSwarm(tmp_path, cfg)
