@@ -30,6 +30,11 @@ def test_a_dozen_peers_hold_identical_replicas_every_round_and_half_at_least_ave
     for name, proc in procs.items():
         assert proc.wait(timeout=420) == 0, local_swarm.log(name).read_text()[-3000:]
     rounds = {name: {e["round"]: e for e in local_swarm.events(name, "round")} for name in names}
+    # a peer that handed its pseudo-gradient in to a member says the group's size, but is not one of its members
+    handed_in = collections.defaultdict(set)  # round -> the peers that handed in for it
+    for name in names:
+        for e in local_swarm.events(name, "handed_in"):
+            handed_in[e["epoch"] + 1].add(name)
     for name, by_round in rounds.items():
         assert sorted(by_round) == list(range(1, ROUNDS + 1)), (name, sorted(by_round))
     for r in range(1, ROUNDS + 1):
@@ -40,10 +45,8 @@ def test_a_dozen_peers_hold_identical_replicas_every_round_and_half_at_least_ave
         assert len(ended_alone) <= 1, ended_alone
         hashes = {e["param_sha256"] for e in events if e["peer"] not in ended_alone}
         assert len(hashes) == 1, (r, sorted(e["param_sha256"][:8] for e in events))
-        # a peer that handed its pseudo-gradient in to a member says the group's size, but is not one of its members
-        handed_in = {e["peer"] for name in names for e in local_swarm.events(name, "handed_in") if e["epoch"] == r - 1}
         groups = collections.Counter(e["group_size"] for e in events
-                                     if e["outcome"] == "averaged" and e["peer"] not in handed_in)
+                                     if e["outcome"] == "averaged" and e["peer"] not in handed_in[r])
         if r > 1:  # the state the round's peers heal to is the largest group's: half of them average in it at least
             # (a fresh clone's suite split one round 7 + 4 + 1)
             largest = max((size for size, members in groups.items() if members == size), default=0)

@@ -39,11 +39,12 @@ def pace_reads(keys: GroupKeyManager) -> None:
     if getattr(keys, "diloco_paced", False):
         return
     get_averagers = keys.get_averagers
-    last = [float("-inf")]  # time.monotonic() of the last read
+    last_read = float("-inf")  # time.monotonic()
 
     async def paced_get_averagers(group_key, only_active):
-        await asyncio.sleep(max(0.0, last[0] + POLL_SECONDS - time.monotonic()))
-        last[0] = time.monotonic()
+        nonlocal last_read
+        await asyncio.sleep(max(0.0, last_read + POLL_SECONDS - time.monotonic()))
+        last_read = time.monotonic()
         return await get_averagers(group_key, only_active)
 
     keys.get_averagers = paced_get_averagers
