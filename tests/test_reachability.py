@@ -4,6 +4,7 @@ for real peers behind emulated NAT routers)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 from helpers import run_cli
@@ -11,7 +12,7 @@ from multiaddr import Multiaddr
 
 from diloco_peer.bootstrap_node import start_relay
 from diloco_peer.config import SwarmConfig
-from diloco_peer.swarm.reachability import ProbeService, free_port_addrs, probe_direct
+from diloco_peer.swarm.reachability import ProbeService, held_ports, probe_direct
 from diloco_peer.swarm.relay import usable_relays
 
 
@@ -40,10 +41,27 @@ def test_the_probe_service_dials_only_the_callers_own_address_or_its_own_circuit
     assert service._candidates(relayed, {"port": 1}) == []  # a caller behind a relay: nothing to dial directly
 
 
-def test_free_port_addrs_picks_one_port_for_the_probe_and_the_dht():
-    resolved = free_port_addrs(["/ip4/0.0.0.0/tcp/0", "/ip4/127.0.0.1/tcp/40001"])
-    assert resolved[0].startswith("/ip4/0.0.0.0/tcp/") and not resolved[0].endswith("/tcp/0")
-    assert resolved[1] == "/ip4/127.0.0.1/tcp/40001"
+def test_held_ports_pick_one_port_for_the_probe_and_the_dht_and_keep_it_from_everyone_else_meanwhile():
+    """A 32-peer demo: two peers picked the same free port (each let it go before its p2pd took it), both p2pds bound
+    it (``SO_REUSEPORT``) and each dial to it reached either; the two lost each other every round."""
+    with held_ports(["/ip4/0.0.0.0/tcp/0", "/ip4/127.0.0.1/tcp/40001"]) as resolved:
+        assert resolved[0].startswith("/ip4/0.0.0.0/tcp/") and not resolved[0].endswith("/tcp/0")
+        assert resolved[1] == "/ip4/127.0.0.1/tcp/40001"
+        port = int(resolved[0].rsplit("/", 1)[1])
+        with socket.socket() as other, pytest.raises(OSError):  # another process's bind: refused
+            other.bind(("", port))
+        with socket.socket() as p2pd:  # our p2pd's bind, with SO_REUSEPORT as go-libp2p's: allowed, and it listens
+            p2pd.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            p2pd.bind(("", port))
+            p2pd.listen()
+    with socket.socket() as later:  # let go after the block
+        later.bind(("", port))
+
+
+async def _probe_on_a_held_port(bootstraps: list[str]):
+    """A dial-back probe as a joining peer runs it: on a port held for it (its p2pd binds it all the same)."""
+    with held_ports(["/ip4/127.0.0.1/tcp/0"]) as host_maddrs:
+        return await probe_direct(host_maddrs, [], bootstraps)
 
 
 @pytest.mark.slow
@@ -56,10 +74,10 @@ def test_a_bootstrap_relay_grants_big_circuits_and_dials_a_listening_peer_back()
             assert await probes.relay_limit() == (True, "4 GiB and 30 min per relayed connection")
             boot = f"{probes.own_addrs[0]}/p2p/{dht.peer_id}"
             assert await usable_relays(probes.prober, [boot]) == [boot]
-            direct, detail = await probe_direct(free_port_addrs(["/ip4/127.0.0.1/tcp/0"]), [], [boot])
+            direct, detail = await _probe_on_a_held_port([boot])
             assert direct is True and "dialed us back at /ip4/127.0.0.1/tcp/" in detail, detail
             nobody = "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
-            direct, detail = await probe_direct(free_port_addrs(["/ip4/127.0.0.1/tcp/0"]), [], [nobody])
+            direct, detail = await _probe_on_a_held_port([nobody])
             assert direct is None and detail.startswith("no bootstrap answered the dial-back probe"), detail
         finally:
             await probes.close()

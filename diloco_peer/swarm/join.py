@@ -107,8 +107,13 @@ def join_dht_peers(dht: DHT, peers: list[str]) -> None:
 
 async def start_reachable_dht(cfg: SwarmConfig, initial_peers: list[str]) -> tuple[DHT, Reach]:
     """Start the DHT the way others can reach us (see reachability.py): directly, through relays, or not at all
-    (client mode). ``swarm.reachability`` = auto finds out with a dial-back from a bootstrap first."""
-    cfg = cfg.model_copy(update={"host_maddrs": reachability.free_port_addrs(cfg.host_maddrs)})
+    (client mode). ``swarm.reachability`` = auto finds out with a dial-back from a bootstrap first. A listen port 0
+    is one free port for the dial-back and the DHT, held until the DHT listens on it (``held_ports``)."""
+    with reachability.held_ports(cfg.host_maddrs) as host_maddrs:
+        return await _start_on_held_ports(cfg.model_copy(update={"host_maddrs": host_maddrs}), initial_peers)
+
+
+async def _start_on_held_ports(cfg: SwarmConfig, initial_peers: list[str]) -> tuple[DHT, Reach]:
     mode = cfg.reachability
     detail = f"set by swarm.reachability={cfg.reachability}"
     if mode == "auto" and initial_peers:

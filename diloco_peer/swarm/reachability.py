@@ -52,19 +52,33 @@ RELAY_SETTLE = 3.0
 reached (``check_relays``)."""
 
 
-def free_port_addrs(host_maddrs: list[str]) -> list[str]:
-    """``host_maddrs`` with TCP port 0 replaced by a free port: the dial-back must probe the port the DHT
-    will listen on, so it is chosen once, before both."""
-    resolved = []
-    for text in host_maddrs:
-        addr = Multiaddr(text)
-        protocols = [p.name for p in addr.protocols()]
-        if "tcp" in protocols and addr.value_for_protocol("tcp") == "0":
-            with socket.socket(socket.AF_INET6 if "ip6" in protocols else socket.AF_INET) as s:
-                s.bind(("", 0))
-                text = text.replace("/tcp/0", f"/tcp/{s.getsockname()[1]}", 1)
-        resolved.append(text)
-    return resolved
+@contextlib.contextmanager
+def held_ports(host_maddrs: list[str]):
+    """``host_maddrs`` with TCP port 0 replaced by a free port, each held for the block: the dial-back must probe
+    the port the DHT will listen on, so it is chosen once, before both, and kept from other processes meanwhile.
+
+    A port picked by a bind to port 0 and let go at once was free for every other bind until our p2pd took it: two
+    peers of a 32-peer demo started together got the same one, and since p2pd listens with ``SO_REUSEPORT`` both
+    of their p2pds bound it. The kernel then handed each dial to that port to either daemon, and the two peers lost
+    each other in every round (partial rounds, a failed one). Here the picking socket stays bound, with
+    ``SO_REUSEPORT`` (which lets our p2pds bind the port too, and nobody else: a bind to port 0 is never given a
+    port in use, a bind to that port is refused). A bound socket that does not listen takes no connection."""
+    resolved, holds = [], []
+    try:
+        for text in host_maddrs:
+            addr = Multiaddr(text)
+            protocols = [p.name for p in addr.protocols()]
+            if "tcp" in protocols and addr.value_for_protocol("tcp") == "0":
+                hold = socket.socket(socket.AF_INET6 if "ip6" in protocols else socket.AF_INET)
+                holds.append(hold)
+                hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                hold.bind(("", 0))
+                text = text.replace("/tcp/0", f"/tcp/{hold.getsockname()[1]}", 1)
+            resolved.append(text)
+        yield resolved
+    finally:
+        for hold in holds:
+            hold.close()
 
 
 def _host(addr: Multiaddr) -> str:
