@@ -60,7 +60,7 @@ class Limits:
     max_update_ratio: float = 10.0
     max_weight_ratio: float = 10.0
     robust: bool = False
-    min_cosine: float = 0.0
+    min_cosine: float = -0.3
     ban_cosine: float = -0.5
 
     @classmethod
