@@ -61,8 +61,8 @@ def held_ports(host_maddrs: list[str]):
     peers of a 32-peer demo started together got the same one, and since p2pd listens with ``SO_REUSEPORT`` both
     of their p2pds bound it. The kernel then handed each dial to that port to either daemon, and the two peers lost
     each other in every round (partial rounds, a failed one). Here the picking socket stays bound, with
-    ``SO_REUSEPORT`` (which lets our p2pds bind the port too, and nobody else: a bind to port 0 is never given a
-    port in use, a bind to that port is refused). A bound socket that does not listen takes no connection."""
+    ``SO_REUSEPORT``: our p2pds (same user, ``SO_REUSEPORT``) can bind the port too, a bind to port 0 is never given
+    a port in use, and a plain bind to it is refused. A bound socket that does not listen takes no connection."""
     resolved, holds = [], []
     try:
         for text in host_maddrs:
