@@ -2,9 +2,9 @@
 
 K replicas train from the same start on their own data shards (as ``diloco-peer demo``'s peers: shard i of K),
 H inner steps a round, blocking rounds with the group's mean. Every round their pseudo-gradients are cut into the
-parts the swarm's reducers receive (``TensorPartContainer``, the config's part size and codec), and each part of
-``MIN_DIRECTION_VALUES`` values or more is compared with the coordinate-wise median of the group's parts, as a
-reducer in ``robust`` mode does (``robust_aggregation.aggregate``). Printed: the lowest cosines seen (round, part
+parts the swarm's reducers receive (``simulated_allreduce.reducer_spans``: the config's part size and codec), and
+each part of ``MIN_DIRECTION_VALUES`` values or more is compared with the coordinate-wise median of the group's
+parts, as a reducer in ``robust`` mode does (``robust_aggregation.aggregate``). Printed: the lowest cosines seen (round, part
 size, the cosine in units of 1 / sqrt(values), the spread ``below`` allows), and how many of them a reducer would
 refuse at ``averaging.min_cosine``. No peer here is dishonest: every refusal is of an honest part.
 
@@ -18,21 +18,19 @@ import argparse
 import math
 
 import torch
-from hivemind.averaging.partition import TensorPartContainer
 
-from diloco_peer.averaging.averager import wire_compression
 from diloco_peer.averaging.compression import get_codec
 from diloco_peer.averaging.robust_aggregation import MIN_DIRECTION_VALUES, below, coordinate_median
 from diloco_peer.config.loading import load_config
 from diloco_peer.tools.simulate import trainers_for
+from diloco_peer.tools.simulated_allreduce import reducer_spans
 from diloco_peer.training.outer_optimizer import OuterOptimizer
 
 
 def reducer_parts(deltas: list[list[torch.Tensor]], codec, part_size_bytes: int) -> list[list[torch.Tensor]]:
     """For each part a reducer receives, the K replicas' values of it (what ``aggregate`` is called with)."""
     k = len(deltas)
-    containers = [TensorPartContainer(d, [1.0] * k, wire_compression(codec), part_size_bytes) for d in deltas]
-    spans = [[c.get_raw_input_parts(j) for j in range(k)] for c in containers]
+    spans = [reducer_spans(d, k, codec, part_size_bytes) for d in deltas]
     return [[spans[s][j][p].double().flatten() for s in range(k)] for j in range(k) for p in range(len(spans[0][j]))]
 
 

@@ -40,7 +40,8 @@ def roundtrip_all(codec, tensors):
     return out, total
 
 
-def _spans(tensors: list[torch.Tensor], reducers: int, codec: Codec, part_size_bytes: int) -> list[tuple[torch.Tensor]]:
+def reducer_spans(tensors: list[torch.Tensor], reducers: int, codec: Codec,
+                  part_size_bytes: int) -> list[tuple[torch.Tensor]]:
     """``tensors`` cut into the parts the swarm's all-reduce sends, per reducer (equal shares, in order)."""
     container = TensorPartContainer(tensors, [1.0] * reducers, wire_compression(codec), part_size_bytes)
     return [container.get_raw_input_parts(j) for j in range(reducers)]
@@ -65,8 +66,8 @@ def group_average(own: list[list[torch.Tensor]], sent: list[list[torch.Tensor]],
     """
     limits = Limits.of(cfg)
     k = len(sent)
-    sent_spans = [_spans(s, k, wire, cfg.part_size_bytes) for s in sent]
-    own_spans = [_spans(o, k, wire, cfg.part_size_bytes) for o in own]
+    sent_spans = [reducer_spans(s, k, wire, cfg.part_size_bytes) for s in sent]
+    own_spans = [reducer_spans(o, k, wire, cfg.part_size_bytes) for o in own]
     averaged = []
     refused = 0
     for j in range(k):  # replica j reduces span j: its own part is the reference of the checks
