@@ -6,6 +6,7 @@ honest peers average only with each other, count the offense by kind and ban the
 """
 
 import asyncio
+import itertools
 import queue
 import types
 
@@ -83,10 +84,22 @@ def test_an_honest_part_is_the_weighted_mean_summed_in_sender_order():
     gen = torch.Generator().manual_seed(0)
     parts = {s: (torch.randn(1000, generator=gen), float(100 * (s + 1))) for s in range(3)}
     result, refused = aggregate(parts, own=1, limits=Limits())
-    expected = torch.zeros(1000)
+    expected = torch.zeros(1000, dtype=torch.float64)
     for s in range(3):
-        expected.add_(parts[s][0], alpha=parts[s][1])
-    assert refused == [] and torch.equal(result, expected / 600.0)
+        expected.add_(parts[s][0].double(), alpha=parts[s][1])
+    assert refused == [] and torch.equal(result, (expected / 600.0).float())
+
+
+def test_an_average_is_the_same_whichever_order_the_senders_come_in():
+    """The group's order is its leader's shuffle: a span's average must not depend on it (the simulator, which
+    takes the replicas' order, computes the swarm's average bit for bit). Summed in float32 it did."""
+    gen = torch.Generator().manual_seed(0)
+    values = [(torch.randn(10_000, generator=gen) * 1e-3, w) for w in (15360.0, 7680.0, 2560.0)]
+    orders = list(itertools.permutations(range(3)))
+    results = [aggregate({s: values[i] for s, i in enumerate(order)}, own=0, limits=Limits())[0] for order in orders]
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    in_float32 = [sum((values[i][0] * values[i][1] for i in order), torch.zeros(10_000)) for order in orders]
+    assert not all(torch.equal(in_float32[0], r) for r in in_float32[1:])  # what the float64 sum is for
     # robust mode refuses no honest part; it clips the longer ones to the median norm: (1 + 1.1 + 1.1) / 3
     similar = {s: (torch.ones(1000) * (1 + 0.1 * s), 100.0) for s in range(3)}
     robust, refused = aggregate(similar, own=0, limits=Limits(robust=True))

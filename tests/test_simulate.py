@@ -179,7 +179,7 @@ def test_fragments_are_consecutive_tensors_of_about_equal_size():
 @pytest.mark.parametrize("overlap, codec", [("blocking", "topk"), ("eager", "int8")])
 def test_a_swarm_computes_exactly_what_the_simulator_computes(local_swarm, overlap, codec):
     """The proof that the distributed system computes DiLoCo and nothing else: a real swarm of 2 peers and the
-    in-process simulator, same config, seeds and shards, agree on the outer weights after every round. With
+    in-process simulator, same config, seeds and shards, agree bit for bit on the outer weights after every round. With
     what makes it hard: lossy pseudo-gradients (every contribution must be rounded alike), unequal token
     weights (the peers' batch sizes differ), 3 rounds (the outer momentum or the error feedback of the earlier
     ones), and a round that fails for one peer (round 2: peer a refuses the average b applied and takes b's state
@@ -234,18 +234,17 @@ def test_a_swarm_computes_exactly_what_the_simulator_computes(local_swarm, overl
     run_diloco(cfg, 2, rounds + lag, codec=codec, overlap=overlap, on_round=compare, inner=inner, arrival=arrival,
                refusals=refusals)
     assert sorted(diffs) == list(range(1 + lag, rounds + 1 + lag))
-    # float summation order differs (the all-reduce sums parts, weighted by tokens): ~1e-8 after one round;
-    # AdamW divides by sqrt(v) and magnifies it over the inner steps, and now and then it moves a value across an
-    # int8 rounding boundary (one quantization step, ~1e-4): the mean difference stays far below a real one (the
-    # eager case's third round once ended at 2.3e-6, over the 2e-6 this bound was; the check below keeps it honest)
-    assert max(diffs.values()) < 1e-5, diffs
+    # bit for bit. The reducers sum a part's contributions in float64, so the group's order (its leader's shuffle,
+    # where the simulator takes the replicas') leaves no trace: summed in float32 it changed a span's average in its
+    # last bits, which AdamW and int8's rounding magnified round after round (up to a 1e-5 mean difference, in CI)
+    assert all(d == 0 for d in diffs.values()), diffs
     # and the comparison can tell DiLoCo variants apart: equal weights (both peers' batch) do not match
     other = {}
     first = 1 + lag
     run_diloco(cfg, 2, first, codec=codec, overlap=overlap, inner=[inner[0], inner[0]], arrival=arrival,
                refusals=refusals,
                on_round=lambda rnd, params: rnd == first and other.update(d=_mean_abs_difference(params, swarm[first])))
-    assert other["d"] > 20 * max(diffs.values()), (other, diffs)
+    assert other["d"] > 1e-5, other
     print(f"arrived at inner steps {arrival}, differences {diffs}")
 
 

@@ -185,7 +185,7 @@ def aggregate(parts: dict[int, tuple[torch.Tensor, float]], own: int | None,
     group: every other reducer leaves it out of theirs, and a span's average must not depend on who reduces it (a
     peer whose part went off, or a fork that flips its own, kept its part in its own span alone).
 
-    Returns the average and the other senders refused, with why. Contributions are summed in sender order.
+    Returns the average and the other senders refused, with why. Contributions are summed in sender order, in float64.
     """
     refused: list[tuple[int, BadContribution]] = []
     norms = {s: _norm(p) for s, (p, _) in parts.items()}
@@ -226,13 +226,23 @@ def aggregate(parts: dict[int, tuple[torch.Tensor, float]], own: int | None,
         median_weight = float(torch.tensor([w for _, w in kept.values()], dtype=torch.float64).quantile(0.5))
         kept = {s: (p * min(1.0, median_norm / max(norms[s], 1e-30)) if norms[s] > median_norm else p,
                     min(w, median_weight)) for s, (p, w) in kept.items()}
-    result = torch.zeros_like(next(iter(parts.values()))[0])
+    return weighted_mean(kept, like=next(iter(parts.values()))[0]), refused
+
+
+def weighted_mean(parts: dict[int, tuple[torch.Tensor, float]], like: torch.Tensor) -> torch.Tensor:
+    """The mean of ``{sender: (part, weight)}`` weighted, summed in sender order in float64, returned as ``like``.
+
+    In float64 a float32 value times a token count is exact, and the mean rounds to the same float32 whatever the
+    senders' order (two always, more all but always). The group's order is its leader's shuffle: summed in float32
+    (where ``add_`` fuses the second product into its sum, not the first) a span's average differed in its last bits
+    with it, which a few rounds of AdamW and int8 rounding magnify (the simulator takes the replicas' order)."""
+    total = torch.zeros_like(like, dtype=torch.float64)
     denominator = 0.0
-    for s in sorted(kept):
-        p, w = kept[s]
-        result.add_(p, alpha=w)
+    for s in sorted(parts):
+        p, w = parts[s]
+        total.add_(p.double(), alpha=w)
         denominator += w
-    return result.div_(denominator), refused
+    return total.div_(denominator).to(like.dtype)
 
 
 def _references(parts: dict[int, tuple[torch.Tensor, float]], norms: dict[int, float],
