@@ -204,6 +204,24 @@ def test_churn_schedule_parsing_errors_are_one_line():
             parse_churn(bad, peers=3, rounds=5)
 
 
+def test_a_leaves_survivors_are_the_peers_that_were_in_its_swarm_not_a_newcomer_syncing_into_its_round():
+    from diloco_peer.tools.churn import effects, parse_churn
+
+    def rounds(outcomes, first=1):
+        return [{"event": "round", "round": first + i, "outcome": o, "group_size": 2, "param_sha256": "h"}
+                for i, o in enumerate(outcomes)]
+
+    events = {"a": rounds(["averaged"] * 4), "b": [*rounds(["averaged"] * 2), {"event": "stop"}],
+              "c": rounds(["solo", "averaged"], first=3)}  # c's first round is the leave's: it was syncing
+    term, = parse_churn("term:1@round3", peers=2, rounds=4)
+    term.peers = ["b"]
+    record, = effects([term], events, {"a": 0, "b": 0, "c": 0})
+    assert record["left_cleanly"] and record["survivors_round"]["outcomes"] == ["averaged"]
+    events["c"] = rounds(["averaged", "failed", "averaged"], first=2)  # c was in before: its failed round counts
+    record, = effects([term], events, {"a": 0, "b": 0, "c": 0})
+    assert record["survivors_round"]["outcomes"] == ["averaged", "failed"]
+
+
 def test_demo_churn_schedule_shows_overlapped_rounds_healing(tmp_path):
     """``demo --churn`` in overlapped (eager) mode: a peer SIGKILLed while its round is in flight, a newcomer that
     syncs into the middle of an overlapped round and rebases onto the next epoch, then a graceful leave; the
@@ -214,14 +232,16 @@ def test_demo_churn_schedule_shows_overlapped_rounds_healing(tmp_path):
     from conftest import diloco_cmd
 
     out = tmp_path / "demo"
-    # 10 rounds: a newcomer needs ~10-20 s to start and sync, and these rounds take 2-4 s each; with 7 (4 after
-    # its start) a loaded machine let the swarm finish before the newcomer had joined (seen in CI). The leave
-    # (peer-1, the highest-numbered founder left) comes once the newcomer has had rounds to contribute in
+    # 10 rounds: a newcomer needs 5-20 s to start and sync (a fast host to a loaded one); with 7 (4 after its start)
+    # a loaded machine let the swarm finish before the newcomer had joined (seen in CI). The leave (peer-1, the
+    # highest-numbered founder left) comes once the newcomer has had rounds to contribute in: 5 rounds after the
+    # join, and rounds of 150 inner steps, so that they last as long as its start does on any host (of 30 steps,
+    # on a fast host, its first round was the leave's, seen in CI)
     cmd = diloco_cmd("demo", "--peers", "3", "--rounds", "10", "--out", str(out),
                      "--churn", "kill:1@round2,join:1@round3,term:1@round8")
     # matchmaking with more slack than FAST gives: on a loaded machine (CI) a 1 s request timeout let the newcomer
     # give up on a group its leader then formed with it (the last round failed for it, partial for the others)
-    for item in [*FAST, "outer.overlap=eager", "outer.inner_steps=30", "averaging.allreduce_timeout=8.0",
+    for item in [*FAST, "outer.overlap=eager", "outer.inner_steps=150", "averaging.allreduce_timeout=8.0",
                  "averaging.request_timeout=2.0", "averaging.matchmaking_time=4.0",
                  "averaging.ready_timeout=8.0", "averaging.first_round_timeout=60.0"]:
         cmd += ["--set", item]
@@ -243,6 +263,7 @@ def test_demo_churn_schedule_shows_overlapped_rounds_healing(tmp_path):
     # middle of the all-reduce; both then end it on one state (each publishes its step and both pick one)
     assert term["peers"] == ["peer-1"] and term["left_cleanly"], term
     survived = term["survivors_round"]
+    assert len(survived["outcomes"]) == 2, term  # peer-0, and the newcomer: it had been in for rounds by then
     assert survived["identical"] and set(survived["outcomes"]) <= {"averaged", "partial"}, term
     assert summary["rounds_completed"] == 10 and summary["replicas_identical"] is True
     assert "churn kill:1@round2: peer-2" in result.stdout

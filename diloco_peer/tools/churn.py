@@ -13,7 +13,8 @@ kill lands in the middle of that round's matchmaking and all-reduce. ``kill`` an
 highest-numbered peers still running among those started at the beginning (joiners last). After the
 run, each item's *effect* is read back from the event logs: how the survivors' round went, whether the
 leavers exited cleanly, how fast a joiner synced and contributed, and whether everybody ended with the
-same weights.
+same weights. A leave's survivors are the peers that had finished a round before it: a newcomer whose first round is
+the leave's is reported as a joiner, not a survivor.
 """
 
 from __future__ import annotations
@@ -82,8 +83,12 @@ def effects(actions: list[ChurnAction], events: dict[str, list[dict]], exit_code
         record = {"spec": a.spec, "action": a.action, "round": a.round, "peers": a.peers,
                   "fired_seconds": a.fired_seconds}
         if a.action in ("kill", "term"):
-            others = [n for n in events if n not in a.peers]
-            same_round = [e for n in others for e in events[n] if e["event"] == "round" and e["round"] == a.round]
+            # the survivors: peers that had finished a round in the leavers' swarm before, not a newcomer whose
+            # first round this is (it synced into the middle of the round: its outcome says how it joined, not how
+            # the swarm took the leave; the join's own record reports it)
+            survivors = [n for n in events if n not in a.peers
+                         and any(e["event"] == "round" and e["round"] < a.round for e in events[n])]
+            same_round = [e for n in survivors for e in events[n] if e["event"] == "round" and e["round"] == a.round]
             record["exit_codes"] = {n: exit_codes.get(n) for n in a.peers}
             record["left_cleanly"] = all(exit_codes.get(n) == 0 and any(e["event"] == "stop" for e in events[n])
                                          for n in a.peers)
