@@ -282,6 +282,9 @@ class PeerDaemon:
             waited = await self.averager.finish_allreduce(bound)
             if waited >= 0.1:
                 logger.info(f"waited {waited:.1f}s for the all-reduce in flight: its group keeps our part")
+            handing_back = await self.averager.finish_hand_backs(bound - waited)
+            if handing_back >= 0.1:
+                logger.info(f"waited {handing_back:.1f}s for the peers that handed in to us to take their average")
         # in daemon threads, bounded: a child process that is already gone must not keep us waiting
         with contextlib.suppress(TimeoutError):
             if self.averager is not None:

@@ -11,7 +11,7 @@ from hivemind.compression import NoCompression
 from hivemind.utils import MSGPackSerializer
 
 from diloco_peer.averaging.averager import RoundAverager
-from diloco_peer.averaging.hand_in import MAX_PER_ROUND, HandedIn, HandIns, receive
+from diloco_peer.averaging.hand_in import KEEP_RESULTS, MAX_PER_ROUND, HandedIn, HandIns, receive
 from diloco_peer.averaging.robust_aggregation import Limits
 from diloco_peer.averaging.state_transfer import tensor_messages
 from diloco_peer.config import AveragingConfig
@@ -81,6 +81,24 @@ def test_a_round_its_proxy_runs_no_all_reduce_for_is_answered_at_once_and_takes_
     assert asyncio.run(ask()) == (None, 0)
     assert "late" in hand_ins.refusal("other", 3, 100.0)
     assert hand_ins.refusal("other", 4, 100.0) == ""  # the next round's are taken
+
+
+def test_a_proxy_owes_each_peer_that_handed_in_its_answer_until_taken_and_no_older_than_it_keeps():
+    hand_ins = HandIns(Limits())
+    assert hand_ins.owes() == 0
+    hand_ins.round_begins(3)
+    for peer in ("slow", "slower"):
+        hand_ins.take(HandedIn(peer, _pseudo_gradient(2), 100.0), 3)
+    hand_ins.ended(_pseudo_gradient(1), group_size=2)
+    assert hand_ins.owes() == 2  # a leaving proxy waits for these (``finish_hand_backs``)
+    hand_ins.answered(3, "slow")
+    hand_ins.answered(3, "stranger")  # (nothing owed to it)
+    assert hand_ins.owes() == 1
+    for epoch in range(4, 4 + KEEP_RESULTS):  # rounds go by: an answer no longer kept is no longer owed
+        hand_ins.round_begins(epoch)
+        hand_ins.take(HandedIn("other", _pseudo_gradient(2), 100.0), epoch)
+        hand_ins.ended(None, group_size=0)
+    assert hand_ins.owes() == KEEP_RESULTS
 
 
 def test_a_stream_carries_our_tensors_and_one_of_more_bytes_than_they_take_is_refused():
@@ -160,7 +178,13 @@ def test_a_hand_in_is_in_the_groups_average_and_its_peer_gets_the_same_bytes(dht
         late = await slow.hand_in(inputs[2], 100, epoch=0, proxy=proxy.peer_id)
         assert "already" in late, late
         rounds = [a.average(x, weight=1000, epoch=0, expected=2) for a, x in zip((proxy, member), inputs)]
-        return await asyncio.wait_for(asyncio.gather(*rounds, slow.handed_back(proxy.peer_id, 0)), 60)
+        ended = await asyncio.wait_for(asyncio.gather(*rounds), 60)
+        # the proxy, leaving now, owes the slow peer its average: it waits for it to be taken, and no longer
+        assert await proxy.finish_hand_backs(0.3) >= 0.3
+        leaving = asyncio.create_task(proxy.finish_hand_backs(60))
+        back = await asyncio.wait_for(slow.handed_back(proxy.peer_id, 0), 60)
+        assert await asyncio.wait_for(leaving, 10) < 30
+        return [*ended, back]
 
     try:
         results = asyncio.run(one_round())

@@ -23,7 +23,8 @@ not remove what it sends. Handed in ahead of the round, its sending is off every
 
 A proxy keeps at most ``MAX_PER_ROUND`` hand-ins a round (each a copy of the model's fp32 vector), for its current
 round or the next only; one from a peer it refuses (banned, not admitted), for a round it has begun already, or for
-another round is refused, and S then joins the all-reduce as any member (``rounds/exchange.py``).
+another round is refused, and S then joins the all-reduce as any member (``rounds/exchange.py``). A proxy that
+leaves gives the peers that handed in to it time to take their answers (``HandIns.owes``) before its averager stops.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ class HandIns:
         self.waiting: dict[int, list[HandedIn]] = {}
         self.results: dict[int, tuple[list[torch.Tensor] | None, int, set[str]]] = {}
         """epoch -> (the average, or None: not clean; the group's size; the peers that handed in, who get it)."""
+        self.owed: dict[int, set[str]] = {}
+        """epoch -> the peers that handed it in and have not taken its answer yet (a leaving proxy waits for them)."""
         self._ended: dict[int, asyncio.Event] = {}
 
     def round_begins(self, epoch: int) -> None:
@@ -167,9 +170,19 @@ class HandIns:
         handed = self.waiting.pop(epoch, None)
         if handed is not None:
             self.results[epoch] = (averaged, group_size, {h.peer for h in handed})
+            self.owed[epoch] = {h.peer for h in handed}
             for old in sorted(self.results)[:-KEEP_RESULTS]:
                 del self.results[old]
+                self.owed.pop(old, None)
         self._event(epoch).set()
+
+    def answered(self, epoch: int, peer: str) -> None:
+        """``peer`` took the answer for the round of ``epoch`` (or hung up, or is gone): we owe it nothing more."""
+        self.owed.get(epoch, set()).discard(peer)
+
+    def owes(self) -> int:
+        """How many answers the peers that handed in have not taken yet."""
+        return sum(len(peers) for peers in self.owed.values())
 
     def _event(self, epoch: int) -> asyncio.Event:
         for old in [e for e in self._ended if e < epoch - KEEP_RESULTS]:
@@ -294,9 +307,12 @@ async def serve_result(averager, raw: bytes, peer: str):
     except Exception:
         return
     averaged, group_size = await averager.hand_ins.result(epoch, peer, wait)
-    for message in tensor_messages(averager, averaged or [], {"group_size": group_size if averaged else 0}):
-        yield message
-    await until_the_caller_hangs_up()
+    try:
+        for message in tensor_messages(averager, averaged or [], {"group_size": group_size if averaged else 0}):
+            yield message
+        await until_the_caller_hangs_up()
+    finally:  # the caller hung up, with everything or gone: a leaving proxy need not wait for it any longer
+        averager.hand_ins.answered(epoch, peer)
 
 
 async def fetch(averager, proxy: str, epoch: int, wait: float) -> int:
@@ -361,6 +377,16 @@ class HandInService:
     async def _no_all_reduce(self, epoch: int, future: MPFuture) -> None:
         self.hand_ins.no_all_reduce(epoch)
         future.set_result(None)
+
+    def hand_backs_owed(self) -> int:
+        """From the host process: answers the peers that handed in to us have not taken yet (``HandIns.owes``).
+        Blocks (call it through ``lifecycle.hivemind_calls``)."""
+        future = MPFuture()
+        internals.send_to_averager_process(self, "_hand_backs_owed", future=future)
+        return future.result()
+
+    async def _hand_backs_owed(self, future: MPFuture) -> None:
+        future.set_result(self.hand_ins.owes())
 
     def fetch_average(self, proxy: str, epoch: int, wait: float) -> int:
         """From the host process: the average of the round of ``epoch`` from ``proxy``, written to

@@ -7,6 +7,7 @@ wait; a failure is a reason (a string) or a failed ``RoundResult``, never an exc
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -46,6 +47,23 @@ class HandingIn:
             await hivemind_calls.call(self.averager.no_all_reduce, epoch, timeout=self.cfg.request_timeout * 10)
         except Exception as e:  # they hear it when their wait for our average ends
             logger.warning(f"could not tell the peers that handed round {epoch} in that it has no average: {e!r}")
+
+    async def finish_hand_backs(self, timeout: float) -> float:
+        """(The proxy, leaving.) Give the peers that handed in to us ``timeout`` seconds to take their rounds'
+        answers: a slow peer receives the average at its own pace, and stopping our averager process would break
+        its stream (its round failed, and with the swarm gone, its replica stayed off the others'). The seconds
+        waited."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            try:
+                owed = await hivemind_calls.call(self.averager.hand_backs_owed, timeout=self.cfg.request_timeout)
+            except Exception as e:  # our averager process is not answering: nobody gets an answer from it anyway
+                logger.debug(f"could not ask our averager which hand-backs are owed: {e!r}")
+                break
+            if not owed:
+                break
+            await asyncio.sleep(0.05)
+        return time.monotonic() - started
 
     async def handed_back(self, proxy: str, epoch: int):  # -> RoundResult (averager.py imports this module)
         """The round's average from the proxy we handed in to (``hand_in``), once its round ended: a result as
