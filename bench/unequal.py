@@ -20,6 +20,11 @@ Then the swarm's averaged tokens/s with the slow peers against the fast peers' a
 
 ``--floor``: also the fast peers alone beside a busy loop held to each slow peer's share (no slow peer in the swarm):
 what the slow peers' CPU alone leaves the fast ones on this machine, the most the swarm could reach with them.
+
+``--apart``: also the fast peers beside the throttled peers, each of those in a run of its own (the same processes
+in the same cgroups, DHT clients of the same DHT, training alone the whole time, in none of the fast peers' rounds):
+what the slow peers' presence on this machine costs the fast ones, their averaging left out: whether the busy loop of
+``--floor`` stands for them (BENCHMARKS.md, "Unequal volunteers").
 """
 
 from __future__ import annotations
@@ -51,10 +56,11 @@ peer's pace and its first hand-in are still being measured (that hand-in comes l
 
 
 def run(workdir: Path, shares: list[str], length: str, rounds: int, extra: list[str], burn: list[str] = (),
-        slow_sets: list[str] = ()) -> dict:
+        slow_sets: list[str] = (), apart: bool = False) -> dict:
     """A swarm of ``len(shares)`` peers for ``rounds`` rounds; its measurements (see the module docstring). ``burn``:
     a busy loop beside it for each share given (``--floor``); ``slow_sets``: overrides for the throttled peers only
-    (``--slow-set``)."""
+    (``--slow-set``); ``apart``: the throttled peers each in a run of its own, the measurements the fast peers'
+    (``--apart``)."""
     shutil.rmtree(workdir, ignore_errors=True)  # event logs are appended to: a run again would read the last one's
     workdir.mkdir(parents=True)
     names = [f"p{i}" for i in range(len(shares))]
@@ -71,20 +77,26 @@ def run(workdir: Path, shares: list[str], length: str, rounds: int, extra: list[
         # start to its first step, and started last it missed the fast peers' first round, synced, and made their
         # second a start-up round too (measured as the swarm's steady state)
         throttled = [(name, share) for name, share in zip(names, shares) if share != "full"]
+        measured = [(name, share) for name, share in zip(names, shares) if not apart or share == "full"]
         for name, share in throttled:
             group = stack.enter_context(cpu_quota(f"unequal-{name}", float(share)))
-            swarm.start_peer(name, *slow_sets, cgroup=group)
+            # apart: alone in a run of its own, training until the fast peers are done (the reap below ends it), a DHT
+            # client (in the swarm it stops serving the others' DHT requests once it hands in: ``swarm/dht_role.py``)
+            alone = [f"run.run_id=unequal-apart-{name}", "averaging.min_peers=1", "run.max_rounds=0",
+                     "swarm.reachability=outbound-only"] if apart else []
+            swarm.start_peer(name, *slow_sets, *alone, cgroup=group)
         swarm.wait_for("the throttled peers to join", lambda: all(swarm.events(name, "start") for name, _ in throttled),
                        timeout=300)
         for name, share in zip(names, shares):
             if share == "full":
-                swarm.start_peer(name)
+                swarm.start_peer(name, *([f"averaging.min_peers={len(measured)}"] if apart else []))
         # (a peer at 0.06 of a core takes minutes to start and, with a fixed H, ~30 s a round)
-        swarm.wait_for(f"{rounds} rounds of every peer", lambda: all(p.poll() is not None for p in
-                                                                      swarm.peers.values()), timeout=300 + 90 * rounds)
+        swarm.wait_for(f"{rounds} rounds of every peer", lambda: all(swarm.peers[name].poll() is not None
+                                                                      for name, _ in measured),
+                       timeout=300 + 90 * rounds)
         swarm.reap()
-        logs = {name: swarm.events(name, "round") for name in names}
-    return measure(logs, shares)
+        logs = {name: swarm.events(name, "round") for name, _ in measured}
+    return measure(logs, [share for _, share in measured])
 
 
 @contextlib.contextmanager
@@ -145,6 +157,8 @@ def main() -> int:
                              "(e.g. swarm.reachability=outbound-only)")
     parser.add_argument("--floor", action="store_true",
                         help="also the fast peers beside busy loops of the slow peers' shares (the CPU's floor)")
+    parser.add_argument("--apart", action="store_true",
+                        help="also the fast peers beside the throttled peers, each of those in a run of its own")
     args = parser.parse_args()
     why = available()
     if why:
@@ -166,6 +180,15 @@ def main() -> int:
                   f"{floor['tokens_per_second']:,.0f} tokens/s, {ratio:.2f}x of alone "
                   f"({alone['tokens_per_second']:,.0f}): the most the slow peers' CPU leaves them", flush=True)
             figures.append(figure("unequal_floor", floor["tokens_per_second"], alone["tokens_per_second"],
+                                  spread=spread, rounds=args.rounds, sets=args.set))
+        if args.apart and alone:
+            apart = run(Path(args.workdir) / f"{tag}-apart", shares, "time", args.rounds, args.set, apart=True)
+            ratio = apart["tokens_per_second"] / max(alone["tokens_per_second"], 1e-9)
+            print(f"\n{spread}: the fast peers beside the throttled peers, each in a run of its own: "
+                  f"{apart['tokens_per_second']:,.0f} tokens/s, {ratio:.2f}x of alone "
+                  f"({alone['tokens_per_second']:,.0f}): what the slow peers' presence on this machine leaves them",
+                  flush=True)
+            figures.append(figure("unequal_apart", apart["tokens_per_second"], alone["tokens_per_second"],
                                   spread=spread, rounds=args.rounds, sets=args.set))
         variants = [(length, slow_sets) for length in args.lengths.split(",")
                     for slow_sets in ([[], args.slow_set] if args.slow_set else [[]])]
