@@ -4,9 +4,9 @@ K replicas train from the same start on their own data shards (as ``diloco-peer 
 H inner steps a round, blocking rounds with the group's mean. Every round their pseudo-gradients are cut into the
 parts the swarm's reducers receive (``simulated_allreduce.reducer_spans``: the config's part size and codec), and
 each part of ``MIN_DIRECTION_VALUES`` values or more is compared with the coordinate-wise median of the group's
-parts, as a reducer in ``robust`` mode does (``robust_aggregation.aggregate``). Printed: the lowest cosines seen (round, part
-size, the cosine in units of 1 / sqrt(values), the spread ``below`` allows), and how many of them a reducer would
-refuse at ``averaging.min_cosine``. No peer here is dishonest: every refusal is of an honest part.
+parts, as a reducer in ``robust`` mode does (``robust_aggregation.aggregate``). Printed: the lowest cosines seen
+(round, part size, the cosine in units of 1 / sqrt(values), the spread ``below`` allows), and how many of them a
+reducer would refuse at ``averaging.min_cosine``. No peer here is dishonest: every refusal is of an honest part.
 
     .venv/bin/python bench/honest_directions.py                     # K=16, H=20, 6 rounds from scratch
     .venv/bin/python bench/honest_directions.py --replicas 8 --rounds 8

@@ -48,7 +48,7 @@ from . import hivemind_internals as internals
 from . import traffic
 from .compression import deserialize
 from .state_transfer import tensor_messages
-from .robust_aggregation import BadContribution, Limits, check_arrival, vector_norm
+from .robust_aggregation import BadContribution, Limits, check_arrival, vector_norm, weighted_mean
 
 logger = logging.getLogger(__name__)
 
@@ -127,14 +127,9 @@ class HandIns:
                 report(handed.peer, problem)
         if not kept:
             return own, weight, 0
-        total = weight + sum(h.weight for h in kept)
-        mixed = []
-        for i, tensor in enumerate(own):
-            mix = tensor.to(torch.float64) * weight
-            for handed in kept:
-                mix += handed.tensors[i].to(torch.float64) * handed.weight
-            mixed.append((mix / total).to(torch.float32))
-        return mixed, total, len(kept)
+        mixed = [weighted_mean({0: (tensor, weight)} | {s: (h.tensors[i], h.weight) for s, h in enumerate(kept, 1)},
+                               like=tensor) for i, tensor in enumerate(own)]
+        return mixed, weight + sum(h.weight for h in kept), len(kept)
 
     def ended(self, averaged: list[torch.Tensor] | None, group_size: int) -> None:
         """Our all-reduce of this round ended: ``averaged`` (None: not clean) is what the peers that handed in get."""

@@ -299,9 +299,9 @@ class AveragingConfig(_Section):
     median (groups of 3 or more; two cannot tell which of them is off), beyond noise: a cosine within 3 / sqrt(the
     part's values) of it is not below it (``robust_aggregation.below``). A member judges the averages it gets back
     against its own part by the same bound. Below zero: with a data shard each, an honest peer's part of a span
-    can point against the group's (-0.10 at 16 peers, round 2), and at 0 it was refused and its member's round
-    ended partial; sign flips sit far below (measured: BENCHMARKS.md, "Many peers"). A part kept above it is
-    still clipped to the median norm and weight."""
+    can point against the group's, and at 0 it was refused and its member's round ended partial; sign flips sit
+    far below (measured: BENCHMARKS.md, "Many peers"). A part kept above it is still clipped to the median norm
+    and weight."""
     ban_cosine: float = Field(-0.5, ge=-1.0, le=1.0)
     """Robust aggregation: a part a reducer refuses for its direction counts towards a ban (``ban_after``) only if
     its cosine is below this as well; between ``ban_cosine`` and ``min_cosine`` it is refused, not counted. A
