@@ -395,6 +395,37 @@ def test_each_store_of_our_record_expires_after_the_one_before_even_when_the_sto
     assert all(later > earlier for earlier, later in zip(dht.expirations, dht.expirations[1:])), dht.expirations
 
 
+def test_the_heartbeat_stores_only_where_nothing_was_stored_for_a_heartbeat():
+    """Alone, the heartbeat stores our record every heartbeat; while the round's own publications come more often
+    than that (rounds shorter than a heartbeat: "ready", the new epoch, the round's start), it stores nothing more:
+    those keep the record as fresh, and each store costs the DHT a walk and a signature."""
+    stores = []
+
+    class Counted(BoardProgress):
+        async def _store(self, value) -> None:
+            stores.append(time.monotonic())
+            await super()._store(value)
+
+    async def scenario():
+        progress = Counted(Board(), "peer-a")
+        progress.heartbeat = 0.2
+        await progress.publish()
+        progress.start_heartbeat()
+        await asyncio.sleep(1.05)  # beats at 0.2, 0.4, 0.6, 0.8 and 1.0 s
+        alone = len(stores) - 1
+        started = time.monotonic()
+        while time.monotonic() - started < 1.0:  # the round publishes every 0.1 s
+            await progress.publish()
+            await asyncio.sleep(0.1)
+        beside = len(stores) - 1 - alone
+        await progress.withdraw()
+        return alone, beside
+
+    alone, beside = asyncio.run(scenario())
+    assert 4 <= alone <= 5, alone  # (a loaded machine may stretch the last sleep past a beat's store)
+    assert beside <= 11, beside  # the round's ten or eleven publications, and no beat among them (was: five more)
+
+
 @pytest.mark.slow
 def test_gate_waits_for_a_joined_peer_syncing_towards_its_round(two_dhts, attacker):
     """A joiner one round behind at every gate (its catch-up outlasted the others' round at H=2) never averaged:

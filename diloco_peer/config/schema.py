@@ -250,7 +250,8 @@ class AveragingConfig(_Section):
     """Seconds after which an all-reduce is abandoned: the round then takes the state the other peers end it with
     (``rounds/healing.py``), and steps alone only if they have none."""
     heartbeat: float = Field(5.0, gt=0)
-    """Seconds between progress records published to the DHT (records expire after 3 heartbeats)."""
+    """Seconds at most between two stores of this peer's progress record in the DHT (a round's own publications count;
+    records expire after 3 heartbeats)."""
     bandwidth: float = Field(0.0, ge=0)
     """Declared bandwidth in MB/s: the share of the all-reduce this peer reduces; 0 = equal shares. It can
     lower a slow peer's share, never raise one above the group's median peer's; in groups of 3 or more, each share

@@ -2,8 +2,8 @@
 
 Each peer publishes a small record under ``{run_id}_progress``, in a subkey that carries its RSA public
 key and a signature (hivemind's ``RSASignatureValidator``): nobody can write or delete another peer's
-record. A ``SchemaValidator`` rejects records of the wrong shape. Records are republished every
-``heartbeat`` seconds and expire after three heartbeats, and twice the time the peer's stores take lately
+record. A ``SchemaValidator`` rejects records of the wrong shape. A record is stored again at least every
+``heartbeat`` seconds (a round's own publications count: ``start_heartbeat``) and expires after three heartbeats, and twice the time the peer's stores take lately
 (``time_to_live``; a gate counts them one heartbeat more: ``swarm_records``), so a peer that vanishes drops out on
 its own; a peer that leaves cleanly withdraws its record at once.
 
@@ -182,6 +182,8 @@ class SwarmProgress:
         """How long our last stores took (``time_to_live``)."""
         self._expiration = 0.0
         """The expiration our last store gave our record (``expiration``)."""
+        self._published_at = -float("inf")
+        """When (``time.monotonic()``) we last began to store our record (``start_heartbeat``)."""
         self._entries: dict[bytes, tuple[ProgressRecord | None, float]] = {}  # (swarm_records)
         self._banned: dict[str, float] = {}
         """Peer id -> ``time.monotonic()`` at which its ban ends."""
@@ -202,6 +204,7 @@ class SwarmProgress:
         if self.stats_provider is not None:
             changes["stats"] = PeerStats(**self.stats_provider())
         self.record = self.record.copy(update={**changes, "time": time.time()})
+        self._published_at = time.monotonic()
         await self._store(self.record.dict())
 
     async def _store(self, value) -> None:
@@ -300,9 +303,16 @@ class SwarmProgress:
             await asyncio.sleep(self.poll_interval(len(records), waited=self.FAST_POLL_WINDOW))
 
     def start_heartbeat(self) -> None:
+        """Store our record again whenever ``heartbeat`` seconds have passed since we last stored it. A round's own
+        publications ("ready", the new epoch, the round's start) store it too, several times a round where rounds are
+        short: a beat right after one of them kept no record fresher, and cost a DHT store, the walk to the nodes
+        nearest the key and its signature, which every peer's DHT node serves (a peer at a sliver of a core spent
+        a large part of it on its DHT: BENCHMARKS.md, "Unequal volunteers")."""
         async def _beat():
             while True:
-                await asyncio.sleep(self.heartbeat)
+                await asyncio.sleep(max(0.0, self._published_at + self.heartbeat - time.monotonic()))
+                if time.monotonic() - self._published_at < self.heartbeat:
+                    continue  # a publication came meanwhile: the next beat is due a heartbeat after it
                 try:
                     await self.publish()
                 except Exception as e:  # a flaky DHT must not kill the daemon; the next beat retries
