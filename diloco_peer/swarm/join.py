@@ -67,6 +67,10 @@ def start_dht(cfg: SwarmConfig, initial_peers: list[str], *, client_mode: bool =
                 **({"force_reachability": "public"} if relay_service else nat),
                 # the DHT process is stopped by our shutdown, not by a parent-death heuristic
                 await_ready=True,
+                # every read of ours asks for the latest version (``latest=True``), past any cache: refreshing a
+                # value read shortly before it expires (hivemind's default, 5 s before) was one more walk of the DHT
+                # for each key read, served by every node near it, and read by nobody
+                cache_refresh_before_expiry=0,
             )
     except Exception as e:
         message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
