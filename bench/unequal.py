@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python bench/unequal.py                                  # both spreads, both round lengths
     .venv/bin/python bench/unequal.py --spreads full,full,full,0.15 --lengths time --rounds 10
+    .venv/bin/python bench/unequal.py --spreads full,full,full,0.15 --lengths time --rounds 10 --repeat 4
 
 Four ``diloco-peer join`` processes on loopback (tiny-cpu, H=20, one thread each) and a bootstrap node. A spread
 gives each peer's cpu share: ``full`` (no limit: the fast peers share this machine's cores) or a share of one core
@@ -17,6 +18,11 @@ before anything is measured):
 
 Then the swarm's averaged tokens/s with the slow peers against the fast peers' alone (the issue's goal: at least
 0.9), and whether every round's replicas were identical. Records go to ``bench/results.json`` (``unequal``).
+
+``--repeat N``: each spread's runs N times, alternating (the fast peers alone, the swarm, the fast peers alone...):
+each ratio is of two runs minutes apart, and this machine's speed drifts between runs as much as the goal's margin
+(two identical runs read 0.89x and 0.97x, nearly all of it in the fast peers alone). It prints every ratio and their
+median; ``bench/results.json`` keeps the repetition of the median ratio, with all the ratios.
 
 ``--floor``: also the fast peers alone beside a busy loop held to each slow peer's share (no slow peer in the swarm):
 what the slow peers' CPU alone leaves the fast ones on this machine, the most the swarm could reach with them.
@@ -47,9 +53,10 @@ from diloco_peer.tools.local_swarm import LocalSwarm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SETS = ["outer.inner_steps=20", "run.threads=1", "checkpoint.dir=''", "data.max_bytes=1_000_000",
-        "averaging.heartbeat=1.0", "data.eval_batches=1"]
+        "data.eval_batches=1"]
 """Every peer: tiny-cpu at H=20 (the issue's setting), one thread (four peers share two cores), no checkpoints, a
-small corpus, one eval batch; everything else is tiny-cpu's default: no tuning flags."""
+small corpus, one eval batch; everything else is tiny-cpu's default: no tuning flags. (Until 2026-12-01 a heartbeat
+of 1 s too, against tiny-cpu's 2 s: twice the DHT stores, which cost the throttled peer a good part of its share.)"""
 SETTLED_FROM = 4
 """The first round a run's settled idle counts: round 1 trains H steps with nothing measured, and in rounds 2-3 a slow
 peer's pace and its first hand-in are still being measured (that hand-in comes late: its work so far had none)."""
@@ -159,60 +166,89 @@ def main() -> int:
                         help="also the fast peers beside busy loops of the slow peers' shares (the CPU's floor)")
     parser.add_argument("--apart", action="store_true",
                         help="also the fast peers beside the throttled peers, each of those in a run of its own")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run each spread's runs this many times, alternating (the fast peers alone, then the "
+                             "swarm, again), and report each ratio and their median")
     args = parser.parse_args()
-    why = available()
+    why = available() or ("" if args.repeat >= 1 else f"--repeat {args.repeat}: give 1 or more")
     if why:
         print(f"bench/unequal.py: {why}", file=sys.stderr)
         return 2
     figures = []
     for spread in args.spreads:
-        shares = spread.split(",")
-        fast = [s for s in shares if s == "full"]
-        tag = spread.replace(",", "-")
-        # the baseline: the fast peers alone, where they are two or more (one alone averages nothing)
-        alone = run(Path(args.workdir) / f"{tag}-fast", fast, "time", args.rounds, args.set) if len(fast) > 1 \
-            else None
-        if args.floor and alone:
-            slow = [s for s in shares if s != "full"]
-            floor = run(Path(args.workdir) / f"{tag}-floor", fast, "time", args.rounds, args.set, burn=slow)
-            ratio = floor["tokens_per_second"] / max(alone["tokens_per_second"], 1e-9)
-            print(f"\n{spread}: the fast peers beside busy loops of {','.join(slow)} of a core, no slow peer: "
-                  f"{floor['tokens_per_second']:,.0f} tokens/s, {ratio:.2f}x of alone "
-                  f"({alone['tokens_per_second']:,.0f}): the most the slow peers' CPU leaves them", flush=True)
-            figures.append(figure("unequal_floor", floor["tokens_per_second"], alone["tokens_per_second"],
-                                  spread=spread, rounds=args.rounds, sets=args.set))
-        if args.apart and alone:
-            apart = run(Path(args.workdir) / f"{tag}-apart", shares, "time", args.rounds, args.set, apart=True)
-            ratio = apart["tokens_per_second"] / max(alone["tokens_per_second"], 1e-9)
-            print(f"\n{spread}: the fast peers beside the throttled peers, each in a run of its own: "
-                  f"{apart['tokens_per_second']:,.0f} tokens/s, {ratio:.2f}x of alone "
-                  f"({alone['tokens_per_second']:,.0f}): what the slow peers' presence on this machine leaves them",
-                  flush=True)
-            figures.append(figure("unequal_apart", apart["tokens_per_second"], alone["tokens_per_second"],
-                                  spread=spread, rounds=args.rounds, sets=args.set))
-        variants = [(length, slow_sets) for length in args.lengths.split(",")
-                    for slow_sets in ([[], args.slow_set] if args.slow_set else [[]])]
-        for length, slow_sets in variants:
-            started = time.monotonic()
-            every = run(Path(args.workdir) / f"{tag}-{length}{'-slow-set' if slow_sets else ''}", shares, length,
-                        args.rounds, args.set, slow_sets=slow_sets)
-            ratio = every["tokens_per_second"] / max(alone["tokens_per_second"], 1e-9) if alone else 0.0
-            versus = f", the fast peers alone {alone['tokens_per_second']:,.0f} ({ratio:.2f}x)" if alone else ""
-            given = "".join(f" {item}" for item in args.set) + "".join(f" slow:{item}" for item in slow_sets)
-            print(f"\n{spread} round_length={length}{given}: averaged {every['tokens_per_second']:,.0f} tokens/s"
-                  f"{versus}; identical every round: {every['identical']} ({time.monotonic() - started:.0f}s)")
-            for name, peer in every["peers"].items():
-                print(f"  {name} cpu {peer['share']:>5}: {peer['steps']:>4} steps a round, idle {peer['idle']:.0%} "
-                      f"({peer['idle_settled']:.0%} from round {SETTLED_FROM}), averaged "
-                      f"{peer['averaged_of_trained']:.0%} of its tokens", flush=True)
-            figures.append(figure("unequal", every["tokens_per_second"],
-                                  alone["tokens_per_second"] if alone else every["tokens_per_second"], spread=spread,
-                                  round_length=length, rounds=args.rounds, sets=args.set, slow_sets=slow_sets,
-                                  per_peer=every["peers"],
-                                  identical=every["identical"]))
+        repetitions = [spread_runs(args, spread, i if args.repeat > 1 else None) for i in range(args.repeat)]
+        figures += repetitions[0] if args.repeat == 1 else medians(spread, repetitions, args.repeat)
     save(figures)
     return 0
 
+
+def spread_runs(args, spread: str, repetition: int | None) -> list[dict]:
+    """One spread's runs (the fast peers alone, the floor and apart if asked, each round length): their figures.
+    ``repetition``: which of ``--repeat``'s (None: the only one), in the workdirs' names and the output."""
+    shares = spread.split(",")
+    fast = [s for s in shares if s == "full"]
+    tag = spread.replace(",", "-") + (f"-{repetition}" if repetition is not None else "")
+    said = f" (repetition {repetition + 1} of {args.repeat})" if repetition is not None else ""
+    figures = []
+    # the baseline: the fast peers alone, where they are two or more (one alone averages nothing)
+    alone = run(Path(args.workdir) / f"{tag}-fast", fast, "time", args.rounds, args.set) if len(fast) > 1 else None
+    if args.floor and alone:
+        slow = [s for s in shares if s != "full"]
+        floor = run(Path(args.workdir) / f"{tag}-floor", fast, "time", args.rounds, args.set, burn=slow)
+        ratio = floor["tokens_per_second"] / max(alone["tokens_per_second"], 1e-9)
+        print(f"\n{spread}{said}: the fast peers beside busy loops of {','.join(slow)} of a core, no slow peer: "
+              f"{floor['tokens_per_second']:,.0f} tokens/s, {ratio:.2f}x of alone "
+              f"({alone['tokens_per_second']:,.0f}): the most the slow peers' CPU leaves them", flush=True)
+        figures.append(figure("unequal_floor", floor["tokens_per_second"], alone["tokens_per_second"],
+                              spread=spread, rounds=args.rounds, sets=args.set))
+    if args.apart and alone:
+        apart = run(Path(args.workdir) / f"{tag}-apart", shares, "time", args.rounds, args.set, apart=True)
+        ratio = apart["tokens_per_second"] / max(alone["tokens_per_second"], 1e-9)
+        print(f"\n{spread}{said}: the fast peers beside the throttled peers, each in a run of its own: "
+              f"{apart['tokens_per_second']:,.0f} tokens/s, {ratio:.2f}x of alone "
+              f"({alone['tokens_per_second']:,.0f}): what the slow peers' presence on this machine leaves them",
+              flush=True)
+        figures.append(figure("unequal_apart", apart["tokens_per_second"], alone["tokens_per_second"],
+                              spread=spread, rounds=args.rounds, sets=args.set))
+    variants = [(length, slow_sets) for length in args.lengths.split(",")
+                for slow_sets in ([[], args.slow_set] if args.slow_set else [[]])]
+    for length, slow_sets in variants:
+        started = time.monotonic()
+        every = run(Path(args.workdir) / f"{tag}-{length}{'-slow-set' if slow_sets else ''}", shares, length,
+                    args.rounds, args.set, slow_sets=slow_sets)
+        ratio = every["tokens_per_second"] / max(alone["tokens_per_second"], 1e-9) if alone else 0.0
+        versus = f", the fast peers alone {alone['tokens_per_second']:,.0f} ({ratio:.2f}x)" if alone else ""
+        given = "".join(f" {item}" for item in args.set) + "".join(f" slow:{item}" for item in slow_sets)
+        print(f"\n{spread} round_length={length}{given}{said}: averaged {every['tokens_per_second']:,.0f} tokens/s"
+              f"{versus}; identical every round: {every['identical']} ({time.monotonic() - started:.0f}s)")
+        for name, peer in every["peers"].items():
+            print(f"  {name} cpu {peer['share']:>5}: {peer['steps']:>4} steps a round, idle {peer['idle']:.0%} "
+                  f"({peer['idle_settled']:.0%} from round {SETTLED_FROM}), averaged "
+                  f"{peer['averaged_of_trained']:.0%} of its tokens", flush=True)
+        figures.append(figure("unequal", every["tokens_per_second"],
+                              alone["tokens_per_second"] if alone else every["tokens_per_second"], spread=spread,
+                              round_length=length, rounds=args.rounds, sets=args.set, slow_sets=slow_sets,
+                              per_peer=every["peers"],
+                              identical=every["identical"]))
+    return figures
+
+
+def medians(spread: str, repetitions: list[list[dict]], repeat: int) -> list[dict]:
+    """``--repeat``: per figure (the same name and settings in every repetition), the repetition whose ratio is the
+    median (the lower of the two middle ones where they are even) is kept, with every repetition's ratio (``ratios``);
+    printed: every ratio and their median. Each ratio is of adjacent runs, whatever this machine's speed did between
+    repetitions."""
+    figures = []
+    for same in zip(*repetitions):
+        ratios = [f["ratio"] for f in same]
+        middle = sorted(same, key=lambda f: f["ratio"])[(len(same) - 1) // 2]
+        identical = all(f["settings"].get("identical", True) for f in same)
+        print(f"\n{spread} {same[0]['name']} {' '.join(same[0]['settings'].get('sets', []))}: ratios "
+              f"{', '.join(f'{r:.2f}x' for r in ratios)}; median {statistics.median(ratios):.2f}x (kept: "
+              f"{middle['ratio']:.2f}x); identical every round in every repetition: {identical}", flush=True)
+        figures.append({**middle, "settings": {**middle["settings"], "repeat": repeat, "ratios": ratios,
+                                               "identical": identical}})
+    return figures
 
 if __name__ == "__main__":
     sys.exit(main())
