@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Info, generate_
 
 from .. import __version__
 from ..state.target import swarm_target
-from ..swarm.progress import quorum_epoch
+from ..swarm.quorum import quorum_epoch
 from ..swarm.progress_record import ProgressRecord
 from ..swarm.reachability import MODES
 

@@ -109,7 +109,7 @@ class Healing:
         train the round after it, which the swarm trains while it averages the synced epoch's.
 
         Until we hold the swarm's state (synced, or nothing to sync) our epoch does not vote on the swarm's
-        (``progress.quorum_epoch``): a newcomer or a peer restarted from an old checkpoint knows nothing of it.
+        (``quorum.quorum_epoch``): a newcomer or a peer restarted from an old checkpoint knows nothing of it.
         """
         target = swarm_target(records)
         why = self.sync.needs_sync(target)

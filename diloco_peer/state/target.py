@@ -6,7 +6,7 @@ momentum is in it because honest peers' buffers are bit-identical too and a sync
 donor could otherwise poison us through it (momentum x100 was accepted before: the newcomer's loss went from ~2.4 to
 87); epoch and LR position for the same reason. One digest per tensor: a donor lists them, and a download broken off
 resumes from another donor after the tensors that matched. The *target* (``swarm_target``) is the
-swarm's epoch by quorum (``progress.quorum_epoch``: the highest epoch a strict majority of the joined peers have
+swarm's epoch by quorum (``quorum.quorum_epoch``: the highest epoch a strict majority of the joined peers have
 reached, never what one peer claims) and, at that epoch, the hash most of its voting peers hold (ties: the
 smallest hash, so every peer picks the same one). ``state_sync.py`` downloads it; ``rounds/healing.py`` and the
 bootstrap's monitor compare records with it. A sync that failed tells which claims did not hold
@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from ..swarm.progress import QUORUM, quorum_epoch, voters
+from ..swarm.quorum import QUORUM, quorum_epoch, voters
 from ..swarm.progress_record import ProgressRecord
 
 
@@ -36,7 +36,7 @@ class Target:
 
 
 def swarm_target(records: list[ProgressRecord], quorum: float = QUORUM) -> Target | None:
-    """The state the swarm agrees on: its epoch by quorum (``progress.quorum_epoch``), and the hash most of
+    """The state the swarm agrees on: its epoch by quorum (``quorum.quorum_epoch``), and the hash most of
     the voting peers at that epoch hold; None if no record carries a state."""
     records = [r for r in records if r.state_hash]
     epoch = quorum_epoch(records, quorum)

@@ -3,9 +3,10 @@
 Each peer publishes a small record under ``{run_id}_progress``, in a subkey that carries its RSA public
 key and a signature (hivemind's ``RSASignatureValidator``): nobody can write or delete another peer's
 record. A ``SchemaValidator`` rejects records of the wrong shape. A record is stored again at least every
-``heartbeat`` seconds (a round's own publications count: ``start_heartbeat``) and expires after three heartbeats, and twice the time the peer's stores take lately
-(``time_to_live``; a gate counts them one heartbeat more: ``swarm_records``), so a peer that vanishes drops out on
-its own; a peer that leaves cleanly withdraws its record at once.
+``heartbeat`` seconds (a round's own publications count: ``start_heartbeat``) and expires after three heartbeats,
+and twice the time the peer's stores take lately (``time_to_live``; a gate counts them one heartbeat more:
+``swarm_records``), so a peer that vanishes drops out on its own; a peer that leaves cleanly withdraws its record at
+once.
 
 The daemon uses the records to start a round only when the peers of its epoch are ready: the first
 round waits for ``min_peers`` (so the swarm does not split into solo learners while it starts), later
@@ -53,35 +54,12 @@ from ..config.faults import NO_FAULTS, Faults
 from ..lifecycle import hivemind_calls
 from . import progress_store
 from .progress_record import PeerStats, ProgressRecord
+from .quorum import QUORUM, quorum_epoch
 
 logger = logging.getLogger(__name__)
 
-QUORUM = 0.5
-"""The swarm's epoch is reached by more than this fraction of the voting peers (0.5: a strict majority;
-0 would be the maximum any peer claims)."""
 ALL_READY = "all peers of this epoch are ready"
 """The round gate's reason when nobody is left to wait for."""
-
-
-def voters(records: list[ProgressRecord]) -> list[ProgressRecord]:
-    """The records whose epoch counts as evidence of the swarm's progress: those of joined peers (all of
-    them while nobody has joined yet, as when a swarm starts)."""
-    return [r for r in records if r.joined] or list(records)
-
-
-def quorum_epoch(records: list[ProgressRecord], quorum: float = QUORUM) -> int | None:
-    """The swarm's epoch: the highest epoch that more than ``quorum`` of the voting peers have reached.
-
-    With the default strict majority, a swarm of 2 needs both (the lower epoch: a peer ahead of the other
-    alone is not followed), 3 need 2, 5 need 3. A liar alone never moves it; a majority that advanced
-    does. While a round ends the epochs differ by one and the swarm's epoch is the older one until most
-    peers have stepped: a peer ahead is never pulled back (state sync refuses older states), a straggler
-    catches up once the majority has moved on. None without records.
-    """
-    epochs = sorted((r.epoch for r in voters(records)), reverse=True)
-    if not epochs:
-        return None
-    return epochs[min(int(len(epochs) * quorum) + 1, len(epochs)) - 1]
 
 
 @dataclass
