@@ -318,9 +318,14 @@ class PeerDaemon:
         logger.info(
             f"round {record.round}: {record.outcome} with group of {record.group_size} "
             f"({record.allreduce_seconds:.2f}s, {megabytes:.2f} MB)"
-            f" | train loss {record.train_loss:.4f} | eval loss {record.eval_loss:.4f} | "
+            f" | train loss {record.train_loss:.4f} | eval loss {_loss(record.eval_loss)} | "
             f"{record.tokens / max(record.compute_seconds, 1e-9):,.0f} tok/s"
         )
         if self._checkpoints is not None and self._checkpoints.due(self.outer.epoch):
             self._checkpoints.save(capture(self.trainer, self.outer, self.cfg.fingerprint()), self._on_checkpoint)
             self._saved_epoch = self.outer.epoch
+
+
+def _loss(loss: float | None) -> str:
+    """A round's eval loss in the log: a peer that handed in does not evaluate (its proxy's group does)."""
+    return f"{loss:.4f}" if loss is not None else "left to its group (handed in)"

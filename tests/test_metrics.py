@@ -35,6 +35,17 @@ def test_a_partial_round_is_counted_as_its_own_outcome():
     assert _value(m, "diloco_allreduce_duration_seconds_count") == 1
 
 
+def test_a_round_handed_in_keeps_the_last_eval_loss():
+    """A peer that handed its pseudo-gradient in does not evaluate (its group does, on the same weights): its round
+    event has no eval loss, and the gauge and the loss its record publishes stay at the last one measured."""
+    m = PeerMetrics()
+    m.observe(ROUND)
+    handed_in = {key: value for key, value in ROUND.items() if key != "eval_loss"}
+    m.observe({**handed_in, "round": 2, "train_loss": 3.7, "time": 110.0})
+    assert _value(m, "diloco_eval_loss") == 3.5 and _value(m, "diloco_outer_rounds_total", outcome="averaged") == 2
+    assert m.swarm_stats()["eval_loss"] == 3.5 and m.swarm_stats()["train_loss"] == 3.7
+
+
 def test_events_drive_the_metrics():
     m = PeerMetrics()
     assert _value(m, "diloco_outer_rounds_total", outcome="solo") == 0  # labelled counters exist from the start

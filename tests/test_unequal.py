@@ -87,6 +87,10 @@ def test_a_throttled_peer_trains_fewer_steps_is_averaged_every_round_and_nobody_
     assert set(handed.values()) <= set(ids.values()), (handed, ids)
     for r in handed:
         assert slow[r]["group_size"] == fast[r]["group_size"] == rounds["fast2"][r]["group_size"] == 2, summary(rounds)
+    # a round it handed in it leaves the eval to the fast pair (their outer weights are its own, bit for bit); one it
+    # averaged as a member, it evaluates
+    assert [r for r in rounds["slow"] if "eval_loss" not in slow[r]] == sorted(handed), (handed, summary(rounds))
+    assert all("eval_loss" in fast[r] and "eval_loss" in rounds["fast2"][r] for r in fast), summary(rounds)
     # handing in, its DHT node stopped serving the fast pair's requests (``swarm/dht_role.py``), at its first hand-in
     roles = local_swarm.events("slow", "dht_role")
     assert [e["serving"] for e in roles][:1] == [False] and roles[0]["epoch"] + 1 == min(handed), (roles, handed)

@@ -172,9 +172,11 @@ class PeerMetrics:
         self.rounds.labels(e["outcome"]).inc()
         self._rounds[e["outcome"]] += 1
         self.state = "training"
-        self._last.update(train_loss=e["train_loss"], eval_loss=e["eval_loss"])
+        self._last["train_loss"] = e["train_loss"]
+        if e.get("eval_loss") is not None:  # (absent: the peer handed in, its group evaluated: the last one stands)
+            self._last["eval_loss"] = e["eval_loss"]
+            self.eval_loss.set(e["eval_loss"])
         self.epoch.set(e["round"])
-        self.eval_loss.set(e["eval_loss"])
         self.outer_lr.set(e["outer_lr"])
         self.inner_lr.set(e["inner_lr"])
         self.group_size.set(e["group_size"])

@@ -26,13 +26,14 @@ def summarize(logs: dict[str, Path], wall_seconds: float, exit_codes: dict[str, 
                 starts[name] = event
             elif event["event"] == "round":
                 rounds.append({"peer": name, **{k: event[k] for k in ROUND_FIELDS},
-                               **{k: event[k] for k in ("eval_loss", "train_loss", "tokens", "compute_seconds",
+                               **{k: event[k] for k in ("train_loss", "tokens", "compute_seconds",
                                                         "values_not_averaged", "error", "param_sha256")},
+                               "eval_loss": event.get("eval_loss"),  # (None: handed in, not evaluated)
                                "inner_steps": event.get("inner_steps", 0)})
                 last_hash[name] = (event["round"], event["param_sha256"])
     per_peer = Counter(r["peer"] for r in rounds)
     final_round = max((r["round"] for r in rounds), default=0)
-    final_evals = [r["eval_loss"] for r in rounds if r["round"] == final_round]
+    final_evals = [r["eval_loss"] for r in rounds if r["round"] == final_round and r["eval_loss"] is not None]
     hashes = {name: h for name, (_, h) in last_hash.items() if name in finishers}
     same_round = len({rnd for name, (rnd, _) in last_hash.items() if name in finishers}) == 1
     return {
@@ -69,7 +70,8 @@ def format_table(summary: dict) -> str:
         groups = "/".join(str(g) for g in sorted({r["group_size"] for r in rows}))
         fewest, most = min(r.get("inner_steps", 0) for r in rows), max(r.get("inner_steps", 0) for r in rows)
         steps = f"{most}" if fewest == most else f"{fewest}-{most}"
-        eval_loss = sum(r["eval_loss"] for r in rows) / len(rows)
+        evals = [r["eval_loss"] for r in rows if r["eval_loss"] is not None]
+        eval_loss = sum(evals) / len(evals) if evals else float("nan")
         seconds = max(r["allreduce_seconds"] for r in rows)
         mb = sum(r["bytes_sent"] + r["bytes_received"] for r in rows) / len(rows) / 1e6
         identical = "yes" if len({r["param_sha256"] for r in rows}) == 1 else "NO"
@@ -116,7 +118,7 @@ def plot_losses(logs: dict[str, Path], png: Path) -> Path:
                 train_y.append(event["loss"])
                 speed_x.append(event["time"] - t0)
                 speed_y.append(event["tokens_per_second"])
-            elif event["event"] == "round":
+            elif event["event"] == "round" and event.get("eval_loss") is not None:
                 eval_x.append(event["round"])
                 eval_y.append(event["eval_loss"])
         ax_train.plot(train_x, train_y, label=name, linewidth=1)

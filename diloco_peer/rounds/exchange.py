@@ -79,6 +79,8 @@ class RoundExchange:
         """Seconds the last ``collect`` waited for its exchange to end, less the time it handed in (``_hand_in``)."""
         self.handing_seconds = 0.0
         """Seconds the exchange launched last spent handing our pseudo-gradient in (``_hand_in``): our work."""
+        self.handed_to = ""
+        """The proxy the exchange launched last handed our pseudo-gradient in to ("": none; we were a member)."""
         self.ended_at: float | None = None
         """When (wall clock) the exchange collected last ended: in blocking rounds, where the round's next one begins
         as the others count it (``Pace.late``)."""
@@ -91,6 +93,7 @@ class RoundExchange:
         by ``scale``: ``outer.contribution``) for our outer epoch; the task."""
         self.sent = pseudo_gradient
         self.handing_seconds = 0.0
+        self.handed_to = ""
         self.scale = scale
         self.steps = steps
         self.pending = asyncio.create_task(self._exchange(pseudo_gradient, tokens, self.outer.epoch, inner_step))
@@ -124,7 +127,7 @@ class RoundExchange:
     async def _exchange(self, pseudo_gradient: list[torch.Tensor], tokens: int, epoch: int,
                         inner_step: int) -> Exchange:
         cfg = self.cfg
-        proxy = await self._hand_in(pseudo_gradient, tokens, epoch)
+        proxy = self.handed_to = await self._hand_in(pseudo_gradient, tokens, epoch)
         await self.progress.publish(epoch=epoch, round=epoch + self.lag, inner_step=inner_step, ready=True,
                                     state_hash=self.sync.state_hash, tokens=self.progress.record.tokens + tokens,
                                     hands_to=proxy)

@@ -231,7 +231,10 @@ class OuterRounds:
                 await self.publish_step()
             if await self.healing.recheck_after_round(epoch):
                 await self.schedule.after_sync(self, unsent)
-        eval_loss = await self.schedule.evaluate(self)
+        # a peer that handed in holds the outer weights its proxy's group holds, bit for bit, and those peers evaluate
+        # them on the same windows: the eval would cost a slow peer a good part of its round (its share of a core is
+        # what it trains with), for a loss the swarm already has
+        eval_loss = None if self.exchange.handed_to else await self.schedule.evaluate(self)
         return self._record(epoch, exchange, verdict, inner, eval_loss)
 
     async def _apply(self, verdict: Verdict, result: RoundResult, unsent: list[torch.Tensor] | None,
@@ -291,7 +294,7 @@ class OuterRounds:
                                f"offenses, the last: {offense['kind']}: {offense['detail']}")
 
     def _record(self, epoch: int, exchange: Exchange, verdict: Verdict, inner: InnerResult,
-                eval_loss: float) -> RoundRecord:
+                eval_loss: float | None) -> RoundRecord:
         """The record of the round concluded from outer epoch ``epoch``."""
         decision, result = exchange.decision, exchange.result
         arrival = self.schedule.arrival

@@ -54,7 +54,10 @@ class RoundRecord:
     tokens: int
     compute_seconds: float
     train_loss: float
-    eval_loss: float
+    eval_loss: float | None
+    """The outer weights' loss over the eval windows after the round; None (absent from the event): not evaluated,
+    since the peer handed its pseudo-gradient in (``averaging/hand_in.py``): its outer weights are its proxy's group's,
+    bit for bit, and so is their loss over the same windows, which those peers evaluate."""
     inner_lr: float
     outer_lr: float
     inner_step: int

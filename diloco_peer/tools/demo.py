@@ -65,12 +65,12 @@ class _Progress:
         for r in new_rounds:
             self.seen.setdefault(r["round"], []).append(r)
             self.bar.update(1)
-            self.bar.set_postfix(round=r["round"], eval_loss=f"{r['eval_loss']:.3f}", group=r["group_size"])
+            self.bar.set_postfix(round=r["round"], eval_loss=_loss([r], ".3f"), group=r["group_size"])
             rows = self.seen[r["round"]]
             if self.bar.disable and len(rows) == max(live, 1):
                 averaged = sum(x["outcome"] == "averaged" for x in rows)
                 print(f"round {r['round']}/{self.rounds}: {averaged}/{len(rows)} peers averaged, groups "
-                      f"{sorted({x['group_size'] for x in rows})}, eval loss {r['eval_loss']:.4f}", flush=True)
+                      f"{sorted({x['group_size'] for x in rows})}, eval loss {_loss(rows, '.4f')}", flush=True)
 
     def note(self, line: str) -> None:
         """Print a line without breaking the bar."""
@@ -379,3 +379,10 @@ def _describe(record: dict) -> str:
     return (f"{', '.join(record['peers'])} {how}; round {record['round']} for the others: "
             f"{survivors['outcomes']}, groups {survivors['group_sizes']}, "
             f"{'identical' if survivors['identical'] else 'NOT identical'}")
+
+
+def _loss(rounds: list[dict], spec: str) -> str:
+    """The eval loss of the first of these ``round`` events that has one, formatted as ``spec`` says ("-": none
+    has; a peer that handed in leaves the eval to its group)."""
+    loss = next((r["eval_loss"] for r in rounds if r.get("eval_loss") is not None), None)
+    return format(loss, spec) if loss is not None else "-"
