@@ -52,11 +52,11 @@ from diloco_peer.tools.cpu_quota import available, cpu_quota  # noqa: E402
 from diloco_peer.tools.local_swarm import LocalSwarm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SETS = ["outer.inner_steps=20", "run.threads=1", "checkpoint.dir=''", "data.max_bytes=1_000_000",
-        "data.eval_batches=1"]
+SETS = ["outer.inner_steps=20", "run.threads=1", "checkpoint.dir=''", "data.max_bytes=1_000_000"]
 """Every peer: tiny-cpu at H=20 (the issue's setting), one thread (four peers share two cores), no checkpoints, a
-small corpus, one eval batch; everything else is tiny-cpu's default: no tuning flags. (Until 2026-12-01 a heartbeat
-of 1 s too, against tiny-cpu's 2 s: twice the DHT stores, which cost the throttled peer a good part of its share.)"""
+small corpus; everything else is tiny-cpu's default: no tuning flags. (Until 2026-12-01 a heartbeat of 1 s too, and
+one eval batch, against tiny-cpu's 2 s and 4: twice the DHT stores, and a quarter of the eval, of the throttled
+peer's share. ``--set data.eval_batches=1`` gives the old runs' eval.)"""
 SETTLED_FROM = 4
 """The first round a run's settled idle counts: round 1 trains H steps with nothing measured, and in rounds 2-3 a slow
 peer's pace and its first hand-in are still being measured (that hand-in comes late: its work so far had none)."""
