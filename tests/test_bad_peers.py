@@ -35,7 +35,8 @@ def test_bad_peers_are_refused_counted_and_banned_and_the_honest_ones_train_on(l
         offenses += [e for e in events if e["event"] == "offense"]
         rounds = [e for e in events if e["event"] == "round"]
         start = next(e for e in events if e["event"] == "start")
-        assert all(r["eval_loss"] < start["eval_loss"] for r in rounds), rounds  # training went on
+        # training went on (a round handed in has no eval loss: its group evaluated the same weights)
+        assert all(r["eval_loss"] < start["eval_loss"] for r in rounds if "eval_loss" in r), rounds
         state = load_file(sorted((local_swarm.workdir / "checkpoints" / name).glob("*.pt"))[-1],
                           load_config(None, [*FAST]).fingerprint())
         assert all(bool(torch.isfinite(p).all()) and p.abs().max() < 100 for p in state.outer_params)
@@ -46,5 +47,6 @@ def test_bad_peers_are_refused_counted_and_banned_and_the_honest_ones_train_on(l
     assert {bad_ids[o["offender"]] for o in offenses if o["banned"]} == set(bad), offenses
     # the loss went down as in a healthy run of these settings (~2.8 after 4 rounds); one applied NaN or
     # 1000x update would have sent it to NaN or far up
-    last = {n: [e for e in local_swarm.events(n) if e["event"] == "round"][-1] for n in ("p0", "p1")}
+    last = {n: [e for e in local_swarm.events(n) if e["event"] == "round" and "eval_loss" in e][-1]
+            for n in ("p0", "p1")}
     assert max(e["eval_loss"] for e in last.values()) < 3.5, json.dumps(last)[:2000]

@@ -7,6 +7,7 @@ honest peers average only with each other, count the offense by kind and ban the
 
 import asyncio
 import itertools
+import math
 import queue
 import types
 
@@ -529,7 +530,8 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
 
     evil_id = next(e["peer_id"] for e in local_swarm.events("evil") if e["event"] == "start")
     seen = {name: [e for e in local_swarm.events(name) if e["event"] == "round"] for name in honest}
-    summary = {name: [(r["round"], r["outcome"], r["group_size"], round(r["eval_loss"], 3), r["error"][:60])
+    summary = {name: [(r["round"], r["outcome"], r["group_size"], round(r.get("eval_loss", math.nan), 3),
+                       r["error"][:60])
                       for r in rounds_seen] for name, rounds_seen in seen.items()}
     banned_by = []
     for name in honest:
@@ -579,7 +581,7 @@ def test_a_sign_flipping_fork_is_banned_and_the_honest_peers_stay_on_course(loca
     # against 3.99, whenever it reduced a large span); since it judges its own part like the others, round 1 is the
     # clean run's and 4 runs ended -0.4% to +0.7%. Rounds can still go otherwise (p0 sat out, or a group of p1, p2
     # and the attacker, which only p0 had banned)
-    loss = last[min(averaged)]["eval_loss"]
+    loss = next(last[name]["eval_loss"] for name in sorted(averaged) if "eval_loss" in last[name])  # (handed in: none)
     assert loss < clean[-1] * 1.05, (loss, clean, summary)
 
 
