@@ -101,7 +101,8 @@ def measure(workdir: Path, peers: int, skip: int = 1) -> dict:
             "transfer": [(max(r["bytes_sent"], r["bytes_received"]), r["transfer_seconds"]) for r in rounds
                          if r["outcome"] == "averaged" and r.get("transfer_seconds")],
             "overlap_wait": sum(r.get("overlap_wait_seconds", 0.0) for r in rounds),
-            "eval_loss": rounds[-1]["eval_loss"],
+            # (a round handed in has no eval loss: its group evaluated the same weights)
+            "eval_loss": next(r["eval_loss"] for r in reversed(rounds) if "eval_loss" in r),
             "densities": [r.get("density") for r in rounds],
         })
     parameters, k = per_peer[0]["parameters"], peers
