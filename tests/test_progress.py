@@ -413,17 +413,19 @@ def test_the_heartbeat_stores_only_where_nothing_was_stored_for_a_heartbeat():
         progress.start_heartbeat()
         await asyncio.sleep(1.05)  # beats at 0.2, 0.4, 0.6, 0.8 and 1.0 s
         alone = len(stores) - 1
-        started = time.monotonic()
+        started, published = time.monotonic(), 0
         while time.monotonic() - started < 1.0:  # the round publishes every 0.1 s
             await progress.publish()
+            published += 1
             await asyncio.sleep(0.1)
-        beside = len(stores) - 1 - alone
+        beats = len(stores) - 1 - alone - published
         await progress.withdraw()
-        return alone, beside
+        return alone, beats
 
-    alone, beside = asyncio.run(scenario())
+    alone, beats = asyncio.run(scenario())
     assert 4 <= alone <= 5, alone  # (a loaded machine may stretch the last sleep past a beat's store)
-    assert beside <= 11, beside  # the round's ten or eleven publications, and no beat among them (was: five more)
+    # no beat among the round's publications (was: five); one where a loaded machine stalled the loop for a heartbeat
+    assert beats <= 1, beats
 
 
 @pytest.mark.slow
