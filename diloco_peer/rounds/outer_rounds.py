@@ -231,10 +231,11 @@ class OuterRounds:
                 await self.publish_step()
             if await self.healing.recheck_after_round(epoch):
                 await self.schedule.after_sync(self, unsent)
-        # a peer that handed in holds the outer weights its proxy's group holds, bit for bit, and those peers evaluate
-        # them on the same windows: the eval would cost a slow peer a good part of its round (its share of a core is
-        # what it trains with), for a loss the swarm already has
-        eval_loss = None if self.exchange.handed_to else await self.schedule.evaluate(self)
+        # a peer that handed in and stepped with its group's average (or took the swarm's state) holds the outer
+        # weights those peers hold, bit for bit, and they evaluate them on the same windows: the eval would cost a slow
+        # peer a good part of its round (its share of a core is what it trains with), for a loss the swarm already has
+        theirs = self.exchange.handed_to and (verdict.steps_with_average or synced)
+        eval_loss = None if theirs else await self.schedule.evaluate(self)
         return self._record(epoch, exchange, verdict, inner, eval_loss)
 
     async def _apply(self, verdict: Verdict, result: RoundResult, unsent: list[torch.Tensor] | None,

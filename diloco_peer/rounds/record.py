@@ -56,8 +56,9 @@ class RoundRecord:
     train_loss: float
     eval_loss: float | None
     """The outer weights' loss over the eval windows after the round; None (absent from the event): not evaluated,
-    since the peer handed its pseudo-gradient in (``averaging/hand_in.py``): its outer weights are its proxy's group's,
-    bit for bit, and so is their loss over the same windows, which those peers evaluate."""
+    since the peer handed its pseudo-gradient in (``averaging/hand_in.py``) and stepped with its group's average (or
+    took the swarm's state): its outer weights are those peers', bit for bit, and they evaluate them on the same
+    windows."""
     inner_lr: float
     outer_lr: float
     inner_step: int
