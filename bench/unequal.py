@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python bench/unequal.py                                  # both spreads, both round lengths
     .venv/bin/python bench/unequal.py --spreads full,full,full,0.15 --lengths time --rounds 10
-    .venv/bin/python bench/unequal.py --spreads full,full,full,0.15 --lengths time --rounds 10 --repeat 4
+    .venv/bin/python bench/unequal.py --spreads full,full,full,0.15 --lengths time --rounds 10 --repeat 3
 
 Four ``diloco-peer join`` processes on loopback (tiny-cpu, H=20, one thread each) and a bootstrap node. A spread
 gives each peer's cpu share: ``full`` (no limit: the fast peers share this machine's cores) or a share of one core
