@@ -1,7 +1,6 @@
 """Reading the peers' event logs back (``observe/report.py``): the demo's summary, its table and the loss plots."""
 
-import json
-
+from diloco_peer.observe.events import EventLog
 from diloco_peer.observe.report import format_table, plot_losses, summarize
 
 ROUND = {"event": "round", "round": 1, "group_size": 2, "outcome": "averaged", "allreduce_seconds": 0.2,
@@ -10,8 +9,10 @@ ROUND = {"event": "round", "round": 1, "group_size": 2, "outcome": "averaged", "
 
 
 def _log(path, *events):
-    path.write_text("".join(json.dumps({"time": 100.0 + i, "peer": path.stem, **e}) + "\n"
-                            for i, e in enumerate(events)))
+    log = EventLog(path)  # (as a peer writes its events)
+    for e in events:
+        log.write(e["event"], peer=path.stem, **{k: v for k, v in e.items() if k != "event"})
+    log.close()
     return path
 
 
